@@ -1,0 +1,1 @@
+"""Hugging Face <-> megatron-core name maps, safetensors I/O, run checkpoints."""

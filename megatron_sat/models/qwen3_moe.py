@@ -1,0 +1,180 @@
+"""Qwen3-MoE on megatron-core: HF ``config.json`` -> ``TransformerConfig`` and ``GPTModel``.
+
+Qwen3-MoE (transformers ``Qwen3MoeForCausalLM``): GQA attention with RMSNorm on q and k per
+head, RoPE, SwiGLU experts, a softmax top-k router with optional re-normalisation of the top-k
+probabilities (``norm_topk_prob``), no shared experts, no biases. ``norm_topk_prob=True`` is
+megatron-core's ``moe_router_pre_softmax=False`` (softmax over the top-k logits is the
+re-normalised top-k of the full softmax); ``False`` is ``pre_softmax=True``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+SUPPORTED_ARCHITECTURES = ("Qwen3MoeForCausalLM",)
+
+
+def hf_rope_theta(hf_config: Mapping[str, Any]) -> float:
+    """RoPE base from ``rope_parameters.rope_theta`` (transformers 5) or top-level ``rope_theta``.
+
+    Raises:
+        ValueError: when neither is present, or the RoPE type is not ``default`` (scaled RoPE
+            variants are not mapped yet).
+    """
+    params = hf_config.get("rope_parameters") or hf_config.get("rope_scaling") or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type != "default":
+        raise ValueError(f"rope_parameters.rope_type={rope_type!r} is not supported (only default)")
+    theta = params.get("rope_theta", hf_config.get("rope_theta"))
+    if theta is None:
+        raise ValueError("config.json has neither rope_parameters.rope_theta nor rope_theta")
+    return float(theta)
+
+
+def num_experts_of(hf_config: Mapping[str, Any]) -> int:
+    """Routed-expert count: ``num_experts`` (transformers 4) or ``num_local_experts`` (5)."""
+    for key in ("num_experts", "num_local_experts"):
+        if hf_config.get(key):
+            return int(hf_config[key])
+    raise ValueError("config.json has neither num_experts nor num_local_experts")
+
+
+def moe_layer_pattern(hf_config: Mapping[str, Any]) -> list[int]:
+    """1 for each decoder layer that is MoE, 0 for a dense one (Qwen3-MoE's sparse step rules)."""
+    num_layers = int(hf_config["num_hidden_layers"])
+    step = int(hf_config.get("decoder_sparse_step", 1))
+    dense = set(hf_config.get("mlp_only_layers") or [])
+    return [int(i not in dense and step > 0 and (i + 1) % step == 0) for i in range(num_layers)]
+
+
+def transformer_config_from_hf(
+    hf_config: Mapping[str, Any],
+    *,
+    tensor_model_parallel_size: int = 1,
+    expert_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    params_dtype: torch.dtype = torch.float32,
+    moe_token_dispatcher_type: str = "alltoall",
+    moe_enable_routing_replay: bool = True,
+    recompute_granularity: str | None = None,
+    **overrides: Any,
+):
+    """The one place that derives megatron-core's ``TransformerConfig`` from ``config.json``.
+
+    Args:
+        hf_config: The parsed HF ``config.json`` of a Qwen3-MoE model.
+        tensor_model_parallel_size, expert_model_parallel_size, pipeline_model_parallel_size:
+            Megatron parallel sizes; sequence parallelism is switched on whenever TP > 1 (MoE
+            requires it).
+        params_dtype: Parameter dtype (float32 on CPU).
+        moe_token_dispatcher_type: ``alltoall`` or ``allgather``.
+        moe_enable_routing_replay: Give every router a megatron-core ``RouterReplay``.
+        recompute_granularity: None or ``full`` (uniform, one layer per chunk).
+        overrides: Further ``TransformerConfig`` fields, applied last.
+
+    Raises:
+        ValueError: for an architecture other than Qwen3-MoE, dense layers (``mlp_only_layers``
+            or a sparse step > 1; not mapped yet), or scaled RoPE.
+    """
+    from megatron.core.transformer import TransformerConfig
+
+    archs = hf_config.get("architectures") or []
+    if not set(archs) & set(SUPPORTED_ARCHITECTURES):
+        raise ValueError(f"architectures={archs}: supported are {SUPPORTED_ARCHITECTURES}")
+    if 0 in moe_layer_pattern(hf_config):
+        raise ValueError(
+            "dense decoder layers (mlp_only_layers / decoder_sparse_step > 1) are not supported"
+        )
+    num_heads = int(hf_config["num_attention_heads"])
+    hidden = int(hf_config["hidden_size"])
+    kwargs: dict[str, Any] = dict(
+        num_layers=int(hf_config["num_hidden_layers"]),
+        hidden_size=hidden,
+        num_attention_heads=num_heads,
+        num_query_groups=int(hf_config.get("num_key_value_heads", num_heads)),
+        kv_channels=int(hf_config.get("head_dim") or hidden // num_heads),
+        ffn_hidden_size=int(hf_config.get("intermediate_size") or hf_config["moe_intermediate_size"]),
+        num_moe_experts=num_experts_of(hf_config),
+        moe_router_topk=int(hf_config["num_experts_per_tok"]),
+        moe_ffn_hidden_size=int(hf_config["moe_intermediate_size"]),
+        moe_router_pre_softmax=not bool(hf_config.get("norm_topk_prob", True)),
+        moe_router_score_function="softmax",
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_token_dispatcher_type=moe_token_dispatcher_type,
+        moe_enable_routing_replay=moe_enable_routing_replay,
+        moe_grouped_gemm=False,
+        normalization="RMSNorm",
+        layernorm_epsilon=float(hf_config.get("rms_norm_eps", 1e-6)),
+        qk_layernorm=True,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=bool(hf_config.get("attention_bias", False)),
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        params_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        tensor_model_parallel_size=tensor_model_parallel_size,
+        expert_model_parallel_size=expert_model_parallel_size,
+        pipeline_model_parallel_size=pipeline_model_parallel_size,
+        sequence_parallel=tensor_model_parallel_size > 1,
+        # CPU initialisation makes TP runs bit-identical to TP=1; fusions need CUDA kernels.
+        use_cpu_initialization=True,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        moe_router_fusion=False,
+    )
+    if recompute_granularity is not None:
+        kwargs.update(
+            recompute_granularity=recompute_granularity,
+            recompute_method="uniform",
+            recompute_num_layers=1,
+        )
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+def build_gpt_model(
+    hf_config: Mapping[str, Any],
+    config,
+    *,
+    pre_process: bool = True,
+    post_process: bool = True,
+    use_transformer_engine: bool | None = None,
+):
+    """Build a megatron-core ``GPTModel`` for ``hf_config`` on this rank.
+
+    Uses the transformer-engine layer spec when TE is importable on a CUDA machine, the local
+    spec otherwise (``use_transformer_engine`` overrides). Model parallel state must already be
+    initialised (see :mod:`megatron_sat.training.distributed`).
+    """
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    from megatron_sat.platform import have_transformer_engine
+
+    if use_transformer_engine is None:
+        use_transformer_engine = have_transformer_engine()
+    spec = get_gpt_decoder_block_spec(
+        config, use_transformer_engine=use_transformer_engine, normalization="RMSNorm"
+    )
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=int(hf_config["vocab_size"]),
+        max_sequence_length=int(hf_config.get("max_position_embeddings", 4096)),
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=bool(hf_config.get("tie_word_embeddings", False)),
+        position_embedding_type="rope",
+        rotary_base=hf_rope_theta(hf_config),
+    )
