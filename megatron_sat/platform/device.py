@@ -154,46 +154,53 @@ def _patch_rng_tracker() -> None:
     tp_random._set_cuda_rng_state = lambda *a, **k: None
 
 
+class _CpuTorch:
+    """``torch`` as seen by a megatron-core module that hard-codes ``device="cuda"``.
+
+    Tensor factories get ``device="cpu"`` instead of ``"cuda"``; everything else is torch's.
+    """
+
+    _FACTORIES = frozenset({"tensor", "zeros", "ones", "empty", "full", "arange"})
+
+    def __getattr__(self, name: str):
+        attr = getattr(torch, name)
+        if name not in self._FACTORIES:
+            return attr
+
+        @functools.wraps(attr)
+        def factory(*args, **kwargs):
+            if str(kwargs.get("device", "")).startswith("cuda"):
+                kwargs["device"] = "cpu"
+            return attr(*args, **kwargs)
+
+        return factory
+
+
 def _patch_literal_cuda_tensors() -> None:
-    # Literal device="cuda" tensors in DDP buffers, the optimizer, clip_grads and the pipeline
-    # schedules; clip_grads also asserts the type name 'torch.cuda.FloatTensor'.
-    import megatron.core.optimizer.clip_grads as clip_grads
+    # Literal device="cuda" tensors in the optimizer (found_inf, _scale), clip_grads, the DDP
+    # grad buffers, the pipeline schedules (total_num_tokens) and the local multi-tensor ops: each module gets a `torch`
+    # whose factories put those tensors on the CPU.
+    import importlib
 
-    original_norm = clip_grads.get_grad_norm_fp32
+    for module in (
+        "megatron.core.optimizer.optimizer",
+        "megatron.core.optimizer.clip_grads",
+        "megatron.core.distributed.param_and_grad_buffer",
+        "megatron.core.pipeline_parallel.schedules",
+        "megatron.core.utils",  # local_multi_tensor_l2_norm, the no-apex fallback
+    ):
+        importlib.import_module(module).torch = _CpuTorch()
+    # clip_grad_by_total_norm_fp32 asserts grad.type() == 'torch.cuda.FloatTensor' and the
+    # fp32 optimizer wrapper checks param.type() the same way; report CPU float tensors under
+    # the CUDA name for exactly those two checks.
+    original_type = torch.Tensor.type
 
-    def get_grad_norm_fp32(grads_for_norm, norm_type=2, grad_stats_parallel_group=None):
-        if isinstance(grads_for_norm, torch.Tensor):
-            grads_for_norm = [grads_for_norm]
-        grads_for_norm = list(grads_for_norm)
-        norm_type = float(norm_type)
-        if not grads_for_norm:
-            total = torch.zeros(1)
-        elif norm_type == float("inf"):
-            total = torch.stack([g.detach().abs().max() for g in grads_for_norm]).max()
-            total = total.reshape(1).float()
-        else:
-            total = sum(g.detach().float().norm(norm_type) ** norm_type for g in grads_for_norm)
-            total = torch.as_tensor(total, dtype=torch.float32).reshape(1)
-        if grad_stats_parallel_group is not None and torch.distributed.is_initialized():
-            op = torch.distributed.ReduceOp.MAX
-            if norm_type != float("inf"):
-                op = torch.distributed.ReduceOp.SUM
-            torch.distributed.all_reduce(total, op=op, group=grad_stats_parallel_group)
-        if norm_type == float("inf"):
-            return total.item()
-        return total.item() ** (1.0 / norm_type)
+    def tensor_type(self, dtype=None, non_blocking=False, **kwargs):
+        if dtype is None and not kwargs and self.device.type == "cpu":
+            name = original_type(self)
+            if name == "torch.FloatTensor":
+                return "torch.cuda.FloatTensor"
+            return name
+        return original_type(self, dtype, non_blocking, **kwargs)
 
-    get_grad_norm_fp32.__wrapped__ = original_norm  # type: ignore[attr-defined]
-    clip_grads.get_grad_norm_fp32 = get_grad_norm_fp32
-
-    def clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled_grad=False):
-        if isinstance(parameters, torch.Tensor):
-            parameters = [parameters]
-        attr = "decoupled_grad" if use_decoupled_grad else "grad"
-        grads = [getattr(p, attr) for p in parameters if getattr(p, attr) is not None]
-        clip_coeff = max_norm / (total_norm + 1.0e-6)
-        if clip_coeff < 1.0:
-            for g in grads:
-                g.detach().mul_(clip_coeff)
-
-    clip_grads.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32
+    torch.Tensor.type = tensor_type

@@ -48,3 +48,17 @@ class Sample:
     def num_tokens(self) -> int:
         """Prompt plus response length in tokens."""
         return len(self.prompt_ids) + len(self.response_ids)
+
+
+def staleness(sample: Sample, trainer_version: int) -> int:
+    """How many versions old a sample is when the trainer at ``trainer_version`` consumes it.
+
+    The one definition used by every metric and by admission control: trainer version minus
+    the oldest version that produced a token of the sample, in optimizer steps (0 = on-policy).
+
+    Raises:
+        ValueError: for a sample without response tokens (nothing produced it).
+    """
+    if not sample.response_versions:
+        raise ValueError(f"sample {sample.index} has no response tokens, so no version")
+    return trainer_version - min(sample.response_versions)

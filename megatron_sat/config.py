@@ -1,0 +1,177 @@
+"""Typed run configuration: one dataclass per component, loaded from YAML plus overrides.
+
+Every field is validated where it is defined; errors are ``ValueError`` naming the field as
+``section.field``. A YAML file mirrors the dataclasses (``rollout: {group_size: 8}``) and
+command-line overrides use dotted paths (``rollout.group_size=8``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from megatron_sat.objectives import ObjectiveConfig
+from megatron_sat.training.distributed import ParallelConfig
+
+
+def _positive(section: str, obj: Any, *names: str) -> None:
+    for name in names:
+        if getattr(obj, name) <= 0:
+            raise ValueError(f"{section}.{name} must be > 0, got {getattr(obj, name)}")
+
+
+@dataclass
+class DataConfig:
+    """Prompt datasets.
+
+    Attributes:
+        train_path: jsonl/parquet of training prompts (schemas: prompt/label, GSM8K, DAPO-Math).
+        eval_path: held-out prompts for accuracy.
+        num_eval_prompts: how many held-out prompts to evaluate (first N).
+    """
+
+    train_path: str = "data/arith/train.jsonl"
+    eval_path: str = "data/arith/test.jsonl"
+    num_eval_prompts: int = 500
+
+    def __post_init__(self) -> None:
+        _positive("data", self, "num_eval_prompts")
+
+
+@dataclass
+class RolloutConfig:
+    """Rollout generation.
+
+    Attributes:
+        server_urls: URLs of running SGLang servers; empty = start embedded CPU servers.
+        num_embedded_servers: embedded servers to start when ``server_urls`` is empty.
+        prompts_per_step: prompts per trainer step (the batch is this x ``group_size``).
+        group_size: G samples per prompt (GRPO group).
+        max_new_tokens: generation limit per sample, tokens.
+        temperature, top_p, top_k: sampling (SGLang's semantics; top_k=-1 is off).
+        update_weights_interval: the lag n: weights are pushed to the servers every n
+            trainer steps, so samples are up to n versions old.
+        eval_temperature: temperature of the sampled held-out evaluation.
+        eval_samples_per_prompt: samples per held-out prompt for avg@k.
+    """
+
+    server_urls: list[str] = field(default_factory=list)
+    num_embedded_servers: int = 1
+    prompts_per_step: int = 32
+    group_size: int = 8
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    update_weights_interval: int = 1
+    eval_temperature: float = 1.0
+    eval_samples_per_prompt: int = 4
+
+    def __post_init__(self) -> None:
+        _positive("rollout", self, "prompts_per_step", "group_size", "max_new_tokens",
+                  "update_weights_interval", "eval_samples_per_prompt")
+        if self.group_size < 2:
+            raise ValueError("rollout.group_size must be >= 2 for group advantages")
+        if self.temperature <= 0:
+            raise ValueError("rollout.temperature must be > 0 for RL (log-probs of a sampler)")
+        if not self.server_urls:
+            _positive("rollout", self, "num_embedded_servers")
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation.
+
+    Attributes:
+        num_steps: trainer (optimizer) steps.
+        micro_batch_size: samples per micro-batch (gradients accumulate over the step).
+        lr: Adam learning rate (constant).
+        adam_beta1, adam_beta2, weight_decay, clip_grad: Adam and gradient-norm clipping.
+        use_r3: replay the rollout engine's experts in the trainer (R3).
+        eval_every: held-out evaluation every this many steps (and at 0 and the end).
+        seed: seed of data order, sampling and initialisation.
+    """
+
+    num_steps: int = 40
+    micro_batch_size: int = 256
+    lr: float = 1e-4
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.98
+    weight_decay: float = 0.0
+    clip_grad: float = 1.0
+    use_r3: bool = True
+    eval_every: int = 10
+    seed: int = 1234
+
+    def __post_init__(self) -> None:
+        _positive("train", self, "num_steps", "micro_batch_size", "lr", "eval_every")
+
+
+@dataclass
+class RunConfig:
+    """The whole RL run.
+
+    Attributes:
+        init_checkpoint: HF checkpoint directory to start from (config.json, safetensors,
+            tokenizer).
+        run_dir: where metrics, TensorBoard events, summary.json and the final checkpoint go.
+    """
+
+    init_checkpoint: str = "checkpoints/warm_start"
+    run_dir: str = "runs/main"
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-dict form (for YAML and the run directory)."""
+        return dataclasses.asdict(self)
+
+
+def _build(cls: type, values: dict[str, Any], prefix: str):
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - set(known))
+    if unknown:
+        raise ValueError(f"unknown config field(s) {[prefix + u for u in unknown]}")
+    kwargs = {}
+    for name, value in values.items():
+        factory = known[name].default_factory
+        if dataclasses.is_dataclass(factory) and isinstance(value, dict):
+            kwargs[name] = _build(factory, value, f"{prefix}{name}.")
+        elif isinstance(value, list) and str(known[name].type).startswith("tuple"):
+            kwargs[name] = tuple(value)
+        else:
+            kwargs[name] = value
+    return cls(**kwargs)
+
+
+def _set_path(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    for key in keys[:-1]:
+        tree = tree.setdefault(key, {})
+    tree[keys[-1]] = value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """Load a :class:`RunConfig` from YAML (optional) and ``key.sub=value`` overrides.
+
+    Override values are parsed as YAML scalars (``8``, ``0.2``, ``true``, ``[a, b]``).
+
+    Raises:
+        ValueError: for an unknown field, a malformed override, or a field's own validation.
+    """
+    tree: dict[str, Any] = {}
+    if path is not None:
+        tree = yaml.safe_load(Path(path).read_text()) or {}
+    for item in overrides or []:
+        if "=" not in item:
+            raise ValueError(f"override {item!r} is not of the form section.field=value")
+        key, raw = item.split("=", 1)
+        _set_path(tree, key.strip(), yaml.safe_load(raw))
+    return _build(RunConfig, tree, "")

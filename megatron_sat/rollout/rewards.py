@@ -1,0 +1,138 @@
+"""Verifiable math rewards: the last ``\\boxed{...}`` of a response against the label.
+
+Equality is math-verify's (``math_verify.parse`` / ``verify``, version 0.9.0): "82", "82.0" and
+"\\frac{164}{2}" all match the label "82".
+
+Threads: math-verify bounds its work with ``signal.alarm``, which Python allows only in the main
+thread; with its default timeouts, ``parse`` and ``verify`` raise ``ValueError`` ("doesn't
+support threaded environment") when called from any other thread, e.g. the rollout pool's
+asyncio thread. `math_reward` therefore runs math-verify without timeouts by default
+(``timeout_s=None``), which works in every thread. The price: sympy work is then unbounded, and
+an adversarial answer such as ``\\boxed{10^{10^{10^{10}}}}`` compared with "82" did not finish in
+two minutes. Where that matters, run rewards in worker processes (a ``ProcessPoolExecutor`` runs
+tasks in its workers' main threads) and pass ``timeout_s``.
+
+math-verify logs one warning per process ("Timeout is disabled ...") the first time it runs
+without timeouts; it is expected.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+from math_verify import parse, verify
+
+BOXED_PREFIX = "\\boxed{"
+
+
+def last_boxed_content(response: str) -> str | None:
+    """Content of the last ``\\boxed{...}`` in `response`, braces balanced.
+
+    Args:
+        response: Generated text.
+
+    Returns:
+        The text between the braces of the last ``\\boxed{`` (nested braces kept, e.g.
+        "\\frac{1}{2}"), or None when there is no ``\\boxed{`` or the last one is never closed.
+        A final unclosed box counts as no answer even when an earlier box is closed: the last
+        answer the model started is the one it gives.
+    """
+    start = response.rfind(BOXED_PREFIX)
+    if start < 0:
+        return None
+    depth = 1
+    content_start = start + len(BOXED_PREFIX)
+    for position in range(content_start, len(response)):
+        char = response[position]
+        if char == "{":
+            depth += 1
+        elif char == "}":
+            depth -= 1
+            if depth == 0:
+                return response[content_start:position]
+    return None
+
+
+def _check_timeout(timeout_s: int | None) -> None:
+    """Rejects timeouts math-verify cannot honour here, before it fails deep inside."""
+    if timeout_s is None:
+        return
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, int) or timeout_s < 1:
+        # signal.alarm takes whole seconds; math-verify treats <= 0 as "no timeout".
+        raise ValueError(f"timeout_s must be None or an int >= 1 (seconds), got {timeout_s!r}")
+    if threading.current_thread() is not threading.main_thread():
+        raise ValueError(
+            f"timeout_s={timeout_s} needs the main thread (math-verify uses signal.alarm); "
+            f"called from thread {threading.current_thread().name!r}: pass timeout_s=None"
+        )
+
+
+def parse_label(label: str, *, timeout_s: int | None = None) -> list:
+    """Parses a ground-truth label with math-verify.
+
+    Args:
+        label: Answer text ("82", "-8", "\\frac{1}{2}"), with or without ``\\boxed{}``.
+        timeout_s: Per-expression timeout in whole seconds (main thread only), or None.
+
+    Returns:
+        math-verify's parse result (sympy objects and strings), non-empty.
+
+    Raises:
+        ValueError: `label` is empty or math-verify extracts nothing from it (a data error, not a
+            wrong answer), or `timeout_s` is invalid here.
+    """
+    _check_timeout(timeout_s)
+    if not label.strip():
+        raise ValueError("label is empty")
+    # Wrapping in \boxed{} puts the gold answer through the same extraction path as the answer.
+    text = label if BOXED_PREFIX in label else f"{BOXED_PREFIX}{label}}}"
+    gold = parse(text, parsing_timeout=timeout_s, raise_on_error=True)
+    if not gold:
+        raise ValueError(f"math-verify cannot parse the label {label!r}")
+    return gold
+
+
+def math_reward(response: str, label: str, *, timeout_s: int | None = None) -> float:
+    """1.0 when the last ``\\boxed{...}`` of `response` equals `label` per math-verify, else 0.0.
+
+    Args:
+        response: Generated text; only its last ``\\boxed{...}`` is graded (see
+            `last_boxed_content`); no box, an unclosed last box or an empty box give 0.0.
+        label: Ground-truth answer, parsed by `parse_label`.
+        timeout_s: None (default): no timeouts, callable from any thread, unbounded time on
+            pathological answers. An int >= 1: math-verify's per-expression timeout in seconds,
+            main thread only; a timed-out comparison gives 0.0.
+
+    Returns:
+        1.0 or 0.0.
+
+    Raises:
+        ValueError: The label cannot be parsed, or `timeout_s` is set off the main thread or is
+            not a positive int.
+    """
+    gold = parse_label(label, timeout_s=timeout_s)
+    content = last_boxed_content(response)
+    if content is None or not content.strip():
+        return 0.0
+    # raise_on_error=False: model output that sympy cannot read is a wrong answer, not a crash.
+    answer = parse(f"{BOXED_PREFIX}{content}}}", parsing_timeout=timeout_s)
+    if not answer:
+        return 0.0
+    return 1.0 if verify(gold, answer, timeout_seconds=timeout_s) else 0.0
+
+
+def batch_rewards(
+    responses: Sequence[str], labels: Sequence[str], *, timeout_s: int | None = None
+) -> list[float]:
+    """`math_reward` of each (response, label) pair, in order.
+
+    Raises:
+        ValueError: `responses` and `labels` differ in length, or as `math_reward`.
+    """
+    if len(responses) != len(labels):
+        raise ValueError(f"{len(responses)} responses but {len(labels)} labels")
+    return [
+        math_reward(response, label, timeout_s=timeout_s)
+        for response, label in zip(responses, labels, strict=True)
+    ]
