@@ -1,0 +1,69 @@
+"""GRPO group-relative advantages (ALGORITHMS.md, "Advantages").
+
+Sources: Shao et al., DeepSeekMath, arXiv 2402.03300, Section 4.1.2 (outcome supervision);
+Liu et al., "Understanding R1-Zero-Like Training" (Dr.GRPO), arXiv 2503.20783 (no std division).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def compute_grpo_advantages(
+    rewards: Tensor, group_size: int, normalize_std: bool = True, eps: float = 1e-6
+) -> Tensor:
+    """Per-response advantages `A_i = (R_i - mean(R)) / (std(R) + eps)` within each prompt group.
+
+    `std` is the *unbiased* (Bessel-corrected, divisor G - 1) sample standard deviation, as in
+    `torch.std` and the GRPO implementations of verl, TRL and slime. With `normalize_std=False`
+    the advantage is only mean-centred, `A_i = R_i - mean(R)` (Dr.GRPO).
+
+    Non-finite rewards (NaN, e.g. a failed reward call, or +-inf) are masked: they are left out
+    of their group's mean and std and get advantage exactly 0. A group whose valid rewards are
+    all equal (or that has fewer than one valid reward) gets exactly 0 for all members, not
+    rounding residue: e.g. mean(0.1, 0.1, 0.1) evaluates to 0.10000000000000002. A group with a
+    single valid reward has std 0 (Bessel's divisor would be 0) and therefore also gets 0.
+
+    Args:
+        rewards: [N] float, N = num_groups * group_size, each group's G responses contiguous.
+        group_size: G >= 1.
+        normalize_std: divide by std + eps (GRPO) or not (Dr.GRPO).
+        eps: >= 0, added to std.
+
+    Returns:
+        [N] tensor, dtype of `rewards` (promoted to float32 if not floating), never NaN.
+
+    Raises:
+        ValueError: `rewards` not 1-D, `group_size < 1`, `N % group_size != 0`, or `eps < 0`.
+    """
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards must be 1-D [N], got shape {tuple(rewards.shape)}")
+    if group_size < 1:
+        raise ValueError(f"group_size must be >= 1, got {group_size}")
+    if rewards.numel() % group_size != 0:
+        raise ValueError(
+            f"group_size={group_size} does not divide the number of rewards {rewards.numel()}"
+        )
+    if not eps >= 0:
+        raise ValueError(f"eps must be >= 0, got {eps!r}")
+    dtype = rewards.dtype if rewards.is_floating_point() else torch.float32
+    r = rewards.to(dtype).view(-1, group_size)  # [num_groups, G]
+    valid = torch.isfinite(r)
+    zero = torch.zeros_like(r)
+    r = torch.where(valid, r, zero)
+    count = valid.sum(dim=-1, keepdim=True).to(dtype)
+    mean = r.sum(dim=-1, keepdim=True) / count.clamp_min(1)
+    centred = torch.where(valid, r - mean, zero)
+    if normalize_std:
+        var = (centred**2).sum(dim=-1, keepdim=True) / (count - 1).clamp_min(1)
+        adv = centred / (var.sqrt() + eps)
+    else:
+        adv = centred
+    # Exact zeros for constant groups: max == min over the valid rewards.
+    big = torch.full_like(r, float("inf"))
+    group_max = torch.where(valid, r, -big).amax(dim=-1, keepdim=True)
+    group_min = torch.where(valid, r, big).amin(dim=-1, keepdim=True)
+    constant = group_max <= group_min  # also true for a group with no valid reward
+    adv = torch.where(valid & ~constant, adv, zero)
+    return adv.reshape(-1)

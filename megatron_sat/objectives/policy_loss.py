@@ -1,0 +1,619 @@
+"""Clipped policy-gradient objectives: one shared clipped core and a registry of objectives.
+
+Every objective is a small function `(LossInputs, ObjectiveConfig, sat_quantile) ->
+ObjectiveTerms` that builds a ratio and per-token radii and calls `clipped_surrogate`; adding an
+objective is adding one function to `OBJECTIVES`. `policy_loss` does what all objectives share:
+input checks, masking of padded positions, TIS/IcePop weights, aggregation, the k3 reference KL
+and metrics.
+
+Sources (formulas as in ALGORITHMS.md):
+- SAT paper: Yang et al., arXiv 2607.18722: ratio Eq. 1, PPO/GRPO clip Eq. 11, SAT Eqs. 13-20,
+  Proposition 4.1, mismatch Eq. 52.
+- GSPO: Zheng et al., arXiv 2507.18071: sequence ratio Eqs. 5-7, GSPO-token Eqs. 13-14.
+- DPPO: Qi et al., "Rethinking the Trust Region in LLM Reinforcement Learning", arXiv 2602.04879,
+  binary (sampled-token) TV and KL approximations, run as in the SAT paper (GRPO clip x mask).
+- TIS: Yao et al., "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training"
+  (2025 blog). IcePop: inclusionAI, Ring-1T report (2025). Dual clip: Ye et al., arXiv 1912.09729.
+
+Deliberate choices where ALGORITHMS.md leaves room, and departures:
+- Log-ratios are clamped to [-20, 20] before `exp` (as verl does): a token with |log r| > 20
+  has zero gradient through the ratio instead of an overflowing one (bit-identical otherwise).
+- DPPO-KL masks on the binary KL(mu || pi_j) of the sampled token (`binary_kl`), not |log r|;
+  both DPPO variants share `dppo_threshold` (probability units for TV, nats for KL). DPPO keeps
+  the GRPO clip and multiplies it by the mask, as the SAT paper ran it (the DPPO paper itself
+  drops the ratio clip).
+- "Outward" (DPPO) is tested as A * log r > 0, the exact sign of A (r - 1).
+- SAT-GSPO clips the GSPO-token ratio; value and gradient equal the sequence form (tested).
+- TIS / IcePop weights apply to the policy-gradient term only, not the KL term; without
+  `old_log_probs` pi_old = mu, so they are inert (a warning says so).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from megatron_sat.objectives.aggregation import LOSS_AGG_MODES, aggregate_loss
+from megatron_sat.objectives.metrics import (
+    MAX_ABS_LOG_RATIO,
+    clip_fractions,
+    k3_estimator,
+    masked_mean,
+    mismatch_metrics,
+)
+from megatron_sat.objectives.sat import sat_metrics, sat_radii
+
+# Reference-KL clamp of ALGORITHMS.md ("clamped to [-10, 10]").
+MAX_ABS_REF_LOG_RATIO = 10.0
+
+
+@dataclass
+class ObjectiveConfig:
+    """Policy objective configuration; validated on construction.
+
+    Attributes:
+        name: Objective, a key of `OBJECTIVES`: "grpo" (alias "ppo"), "gspo", "gspo-token",
+            "sat-grpo", "sat-gspo", "dppo-tv", "dppo-kl".
+        eps_low: Lower clip radius, in [0, 1] (ratio >= 1 - eps_low). 0.2 in the SAT paper,
+            3e-4 in the GSPO paper.
+        eps_high: Upper clip radius, >= 0 (ratio <= 1 + eps_high). 0.2 / 4e-4 as above.
+        sat_alpha: Quantile level of SAT Eq. 14, in (0, 1).
+        loss_agg_mode: One of `LOSS_AGG_MODES`.
+        loss_agg_norm_constant: C of "seq-mean-token-sum-norm" (> 0); None = padded width T.
+        dppo_threshold: DPPO delta, >= 0: probability units for "dppo-tv", nats for "dppo-kl".
+        tis_cap: TIS cap C > 0; None disables TIS.
+        icepop_range: (alpha, beta), 0 <= alpha < beta: IcePop keeps tokens with
+            alpha <= pi_old / mu <= beta; None disables IcePop.
+        dual_clip_c: Dual-clip constant c > 1 for A < 0; None disables it.
+        kl_coef: Coefficient (>= 0) of the k3 KL to the reference policy; 1e-3 in the SAT paper.
+
+    Raises:
+        ValueError: naming the field, for an unknown name or mode or an out-of-range value.
+    """
+
+    name: str = "sat-gspo"
+    eps_low: float = 0.2
+    eps_high: float = 0.2
+    sat_alpha: float = 0.9
+    loss_agg_mode: str = "token-mean"
+    loss_agg_norm_constant: float | None = None
+    dppo_threshold: float = 1e-3
+    tis_cap: float | None = None
+    icepop_range: tuple[float, float] | None = None
+    dual_clip_c: float | None = None
+    kl_coef: float = 0.0
+
+    def __post_init__(self) -> None:
+        def check(ok: bool, name: str, requirement: str) -> None:
+            if not ok:
+                value = getattr(self, name)
+                raise ValueError(f"ObjectiveConfig.{name} must be {requirement}, got {value!r}")
+
+        def finite(x: object) -> bool:
+            return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+        check(self.name in OBJECTIVES, "name", f"one of {sorted(OBJECTIVES)}")
+        check(finite(self.eps_low) and 0 <= self.eps_low <= 1, "eps_low", "in [0, 1]")
+        check(finite(self.eps_high) and self.eps_high >= 0, "eps_high", "finite and >= 0")
+        check(finite(self.sat_alpha) and 0 < self.sat_alpha < 1, "sat_alpha", "in (0, 1)")
+        check(self.loss_agg_mode in LOSS_AGG_MODES, "loss_agg_mode", f"one of {LOSS_AGG_MODES}")
+        norm = self.loss_agg_norm_constant
+        check(norm is None or (finite(norm) and norm > 0), "loss_agg_norm_constant", "None or > 0")
+        check(
+            finite(self.dppo_threshold) and self.dppo_threshold >= 0,
+            "dppo_threshold",
+            "finite and >= 0",
+        )
+        cap = self.tis_cap
+        check(cap is None or (finite(cap) and cap > 0), "tis_cap", "None or finite and > 0")
+        if self.icepop_range is not None:
+            ok = isinstance(self.icepop_range, (tuple, list)) and len(self.icepop_range) == 2
+            lo, hi = self.icepop_range if ok else (None, None)
+            ok = ok and finite(lo) and isinstance(hi, (int, float)) and 0 <= lo < hi
+            check(ok, "icepop_range", "None or (alpha, beta) with 0 <= alpha < beta")
+            self.icepop_range = (float(lo), float(hi))
+        c = self.dual_clip_c
+        check(c is None or (finite(c) and c > 1), "dual_clip_c", "None or finite and > 1")
+        check(finite(self.kl_coef) and self.kl_coef >= 0, "kl_coef", "finite and >= 0")
+        if norm is not None and self.loss_agg_mode != "seq-mean-token-sum-norm":
+            warnings.warn(
+                f"ObjectiveConfig.loss_agg_norm_constant is ignored with "
+                f"loss_agg_mode={self.loss_agg_mode!r}",
+                stacklevel=3,
+            )
+
+
+@dataclass(frozen=True)
+class LossInputs:
+    """Inputs with inactive positions already replaced by 0 (finite everywhere).
+
+    Attributes:
+        log_probs: [B, T] trainer log pi_j (grad flows at active positions only).
+        rollout_log_probs: [B, T] rollout-engine log mu.
+        advantages: [B, T] per-token advantages (per-sequence ones broadcast).
+        mask: [B, T] bool, active response tokens.
+    """
+
+    log_probs: Tensor
+    rollout_log_probs: Tensor
+    advantages: Tensor
+    mask: Tensor
+
+    @property
+    def log_ratio(self) -> Tensor:
+        """[B, T] `log pi_j - log mu` (SAT Eq. 1); 0 at inactive positions."""
+        return self.log_probs - self.rollout_log_probs
+
+    def sequence_log_ratio(self) -> Tensor:
+        """[B] `log rho_b = mean over active tokens of log r` (GSPO Eq. 7); 0 for empty rows."""
+        num_tokens = self.mask.sum(dim=-1).clamp_min(1).to(self.log_probs.dtype)
+        return self.log_ratio.sum(dim=-1) / num_tokens
+
+
+@dataclass(frozen=True)
+class ObjectiveTerms:
+    """What an objective returns.
+
+    Attributes:
+        surrogate: [B, T] per-token surrogate S to *maximise* (the loss is -S).
+        ratio: [B, T] detached ratio that was clipped (for clip fractions).
+        eps_low, eps_high: radii used, 0-dim or [B, T], detached.
+        metrics: objective-specific detached 0-dim metrics.
+    """
+
+    surrogate: Tensor
+    ratio: Tensor
+    eps_low: Tensor
+    eps_high: Tensor
+    metrics: dict[str, Tensor] = field(default_factory=dict)
+
+
+def clipped_surrogate(
+    ratio: Tensor,
+    advantages: Tensor,
+    eps_low: Tensor,
+    eps_high: Tensor,
+    dual_clip_c: float | None = None,
+) -> Tensor:
+    """Shared clipped core: `S = min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)` (SAT Eq. 11/19).
+
+    Used by every objective: GRPO/PPO (token r, scalar radii), GSPO (sequence rho_b, GSPO Eq. 5),
+    SAT (per-token radii of SAT Eq. 17, Eq. 18-19). With `dual_clip_c = c`, for A < 0 the
+    surrogate is further bounded below, `S = max(S, c A)` (Ye et al. 2019).
+
+    Args:
+        ratio: [B, T] float, > 0.
+        advantages: [B, T] float.
+        eps_low, eps_high: radii, tensors broadcastable to [B, T] of the ratio's dtype (0-dim
+            for the base recipes, per token for SAT). Every objective computes its bounds the
+            same way, `1 -+ eps` in the ratio's dtype, so SAT with no gated token (c = 1
+            exactly) is bit-identical to its base.
+        dual_clip_c: optional c > 1.
+
+    Returns:
+        [B, T] surrogate to maximise.
+    """
+    clipped = torch.clamp(ratio, min=1.0 - eps_low, max=1.0 + eps_high)
+    surrogate = torch.minimum(ratio * advantages, clipped * advantages)
+    if dual_clip_c is not None:
+        dual = torch.maximum(surrogate, dual_clip_c * advantages)
+        surrogate = torch.where(advantages < 0, dual, surrogate)
+    return surrogate
+
+
+# --- ratios -------------------------------------------------------------------------------------
+
+
+def _exp_ratio(log_ratio: Tensor) -> Tensor:
+    return torch.exp(log_ratio.clamp(-MAX_ABS_LOG_RATIO, MAX_ABS_LOG_RATIO))
+
+
+def token_ratio(inp: LossInputs) -> Tensor:
+    """[B, T] token ratio `r = pi_j / mu` (SAT Eq. 1), 1 at inactive positions."""
+    return _exp_ratio(inp.log_ratio)
+
+
+def sequence_ratio(inp: LossInputs) -> Tensor:
+    """[B, T] GSPO sequence ratio rho_b (GSPO Eq. 7) broadcast; gradient through the mean."""
+    return _exp_ratio(inp.sequence_log_ratio()).unsqueeze(-1).expand_as(inp.log_probs)
+
+
+def sequence_token_ratio(inp: LossInputs) -> Tensor:
+    """[B, T] GSPO-token ratio `s_bt = sg[rho_b] * pi_j(y_t) / sg[pi_j(y_t)]` (GSPO Eq. 13-14).
+
+    Same value as `sequence_ratio` bit for bit (`x - sg[x]` is exactly 0), and d s_bt / d log
+    pi_bt = rho_b, so with per-sequence advantages the gradient equals the sequence-level one.
+    """
+    log_rho = inp.sequence_log_ratio().detach().clamp(-MAX_ABS_LOG_RATIO, MAX_ABS_LOG_RATIO)
+    return torch.exp(log_rho.unsqueeze(-1) + (inp.log_probs - inp.log_probs.detach()))
+
+
+# --- objectives ---------------------------------------------------------------------------------
+
+
+def _clip(
+    ratio: Tensor, inp: LossInputs, config: ObjectiveConfig, eps_low: Tensor, eps_high: Tensor
+) -> ObjectiveTerms:
+    surrogate = clipped_surrogate(ratio, inp.advantages, eps_low, eps_high, config.dual_clip_c)
+    return ObjectiveTerms(surrogate, ratio.detach(), eps_low, eps_high)
+
+
+def _base_clip(ratio: Tensor, inp: LossInputs, config: ObjectiveConfig) -> ObjectiveTerms:
+    eps_low, eps_high = ratio.new_tensor(config.eps_low), ratio.new_tensor(config.eps_high)
+    return _clip(ratio, inp, config, eps_low, eps_high)
+
+
+def grpo_objective(
+    inp: LossInputs, config: ObjectiveConfig, sat_quantile: Tensor | float | None
+) -> ObjectiveTerms:
+    """GRPO/PPO token-level clip on `r = pi_j / mu` (SAT Eq. 11)."""
+    return _base_clip(token_ratio(inp), inp, config)
+
+
+def gspo_objective(
+    inp: LossInputs, config: ObjectiveConfig, sat_quantile: Tensor | float | None
+) -> ObjectiveTerms:
+    """GSPO: the clip on the sequence ratio rho_b, broadcast to tokens (GSPO Eqs. 5-7).
+
+    With [B, T] advantages each token uses its own A with the shared rho_b.
+    """
+    return _base_clip(sequence_ratio(inp), inp, config)
+
+
+def gspo_token_objective(
+    inp: LossInputs, config: ObjectiveConfig, sat_quantile: Tensor | float | None
+) -> ObjectiveTerms:
+    """GSPO-token: the clip on `s_bt = sg[rho_b] pi/sg[pi]` (GSPO Eqs. 13-14)."""
+    return _base_clip(sequence_token_ratio(inp), inp, config)
+
+
+def token_staleness(inp: LossInputs) -> Tensor:
+    """[B, T] SAT proxy `d = sg[log r]` per token (SAT Eq. 13), 0 at inactive positions."""
+    return inp.log_ratio.detach()
+
+
+def sequence_staleness(inp: LossInputs) -> Tensor:
+    """[B, T] SAT-GSPO proxy `d = sg[log rho_b]` broadcast to active tokens (SAT Eq. 20)."""
+    d = inp.sequence_log_ratio().detach().unsqueeze(-1).expand_as(inp.log_probs)
+    return torch.where(inp.mask, d, torch.zeros_like(d))
+
+
+def _sat_clip(
+    ratio: Tensor, d: Tensor, inp: LossInputs, config: ObjectiveConfig, q: Tensor | float | None
+) -> ObjectiveTerms:
+    radii = sat_radii(d, inp.mask, config.eps_low, config.eps_high, config.sat_alpha, q)
+    terms = _clip(ratio, inp, config, radii.eps_low, radii.eps_high)
+    return dataclasses.replace(terms, metrics=sat_metrics(radii, inp.mask))
+
+
+def sat_grpo_objective(
+    inp: LossInputs, config: ObjectiveConfig, sat_quantile: Tensor | float | None
+) -> ObjectiveTerms:
+    """SAT-GRPO: token ratio, radii from the token proxy (SAT Eqs. 13-19)."""
+    return _sat_clip(token_ratio(inp), token_staleness(inp), inp, config, sat_quantile)
+
+
+def sat_gspo_objective(
+    inp: LossInputs, config: ObjectiveConfig, sat_quantile: Tensor | float | None
+) -> ObjectiveTerms:
+    """SAT-GSPO: GSPO-token ratio, radii from the sequence proxy (SAT Eqs. 13-20).
+
+    The radii are constant within a response, so value and gradient equal those of the
+    sequence-level form for per-sequence advantages (as for GSPO-token).
+    """
+    return _sat_clip(sequence_token_ratio(inp), sequence_staleness(inp), inp, config, sat_quantile)
+
+
+def binary_tv(inp: LossInputs) -> Tensor:
+    """[B, T] detached sampled-token TV `|pi_j(y_t) - mu(y_t)|` in probability units (DPPO)."""
+    return (inp.log_probs.detach().exp() - inp.rollout_log_probs.exp()).abs()
+
+
+def binary_kl(inp: LossInputs) -> Tensor:
+    """[B, T] detached binary KL(mu || pi_j) of the sampled token (DPPO Binary-KL), nats.
+
+    `KL = mu log(mu/pi) + (1 - mu) log((1 - mu)/(1 - pi))` with mu = mu(y_t), pi = pi_j(y_t):
+    the KL between the two-outcome distributions {y_t, not y_t}, which lower-bounds the full
+    vocabulary KL (data processing). Direction KL(mu || pi) because tokens were sampled from mu,
+    as in the DPPO authors' code. Computed in float64, probabilities clamped to
+    [1e-12, 1 - 1e-12] so that p = 1 (log p = 0) gives a finite value.
+    """
+    tiny = 1e-12
+    p = inp.rollout_log_probs.detach().double().exp().clamp(tiny, 1 - tiny)
+    q = inp.log_probs.detach().double().exp().clamp(tiny, 1 - tiny)
+    kl = p * (p.log() - q.log()) + (1 - p) * (torch.log1p(-p) - torch.log1p(-q))
+    return kl.to(inp.log_probs.dtype)
+
+
+def _dppo(
+    divergence: Callable[[LossInputs], Tensor], inp: LossInputs, config: ObjectiveConfig
+) -> ObjectiveTerms:
+    """GRPO clip times a {0,1} mask dropping outward moves beyond `dppo_threshold` (DPPO).
+
+    A token is dropped iff `sign(A (r - 1)) > 0` (equivalently A * log r > 0, exact in floating
+    point where `exp` may round r to 1) and its divergence exceeds the threshold.
+    """
+    terms = _base_clip(token_ratio(inp), inp, config)
+    outward = (inp.advantages * inp.log_ratio.detach()) > 0
+    drop = outward & (divergence(inp) > config.dppo_threshold) & inp.mask
+    surrogate = torch.where(drop, torch.zeros_like(terms.surrogate), terms.surrogate)
+    metrics = {"dppo_drop_rate": masked_mean(drop.to(surrogate.dtype), inp.mask)}
+    return ObjectiveTerms(surrogate, terms.ratio, terms.eps_low, terms.eps_high, metrics)
+
+
+def dppo_tv_objective(
+    inp: LossInputs, config: ObjectiveConfig, sat_quantile: Tensor | float | None
+) -> ObjectiveTerms:
+    """DPPO Binary-TV as run in the SAT paper (Table 1): mask on |pi - mu| > delta."""
+    return _dppo(binary_tv, inp, config)
+
+
+def dppo_kl_objective(
+    inp: LossInputs, config: ObjectiveConfig, sat_quantile: Tensor | float | None
+) -> ObjectiveTerms:
+    """DPPO Binary-KL: mask on binary KL(mu || pi) > delta (nats)."""
+    return _dppo(binary_kl, inp, config)
+
+
+ObjectiveFn = Callable[[LossInputs, ObjectiveConfig, Tensor | float | None], ObjectiveTerms]
+
+OBJECTIVES: Mapping[str, ObjectiveFn] = types.MappingProxyType(
+    {
+        "grpo": grpo_objective,
+        "ppo": grpo_objective,
+        "gspo": gspo_objective,
+        "gspo-token": gspo_token_objective,
+        "sat-grpo": sat_grpo_objective,
+        "sat-gspo": sat_gspo_objective,
+        "dppo-tv": dppo_tv_objective,
+        "dppo-kl": dppo_kl_objective,
+    }
+)
+
+# SAT objectives and their staleness proxy (for `sat_abs_staleness` and ignored-q warnings).
+SAT_STALENESS: Mapping[str, Callable[[LossInputs], Tensor]] = types.MappingProxyType(
+    {"sat-grpo": token_staleness, "sat-gspo": sequence_staleness}
+)
+
+
+# --- the loss -----------------------------------------------------------------------------------
+
+
+def _check_shapes(
+    log_probs: Tensor,
+    advantages: Tensor,
+    optional: dict[str, Tensor | None],
+) -> None:
+    if log_probs.dim() != 2 or not log_probs.is_floating_point():
+        raise ValueError(
+            f"log_probs must be a float [B, T] tensor, got {log_probs.dtype} "
+            f"{tuple(log_probs.shape)}"
+        )
+    shape = log_probs.shape
+    for name, tensor in optional.items():
+        if tensor is not None and tensor.shape != shape:
+            raise ValueError(
+                f"{name} must have the shape of log_probs {tuple(shape)}, got {tuple(tensor.shape)}"
+            )
+    if advantages.shape not in (shape[:1], shape):
+        raise ValueError(
+            f"advantages must be [B] or [B, T] with [B, T] = {tuple(shape)}, "
+            f"got {tuple(advantages.shape)}"
+        )
+
+
+def _compute_dtype(log_probs: Tensor) -> torch.dtype:
+    # fp64 stays fp64 (tests); everything else is computed in fp32 (bf16 log-probs are upcast).
+    return torch.float64 if log_probs.dtype == torch.float64 else torch.float32
+
+
+def _masked(x: Tensor, mask: Tensor, dtype: torch.dtype) -> Tensor:
+    # torch.where, not multiplication: NaN/inf at padded positions must reach neither the value
+    # (0 * NaN = NaN) nor the gradient (where's backward routes zeros to the unselected branch).
+    x = x.to(dtype)
+    return torch.where(mask, x, torch.zeros_like(x))
+
+
+def prepare_inputs(
+    log_probs: Tensor, rollout_log_probs: Tensor, advantages: Tensor, loss_mask: Tensor
+) -> LossInputs:
+    """Validate shapes, broadcast advantages to [B, T] and zero every inactive position.
+
+    Raises:
+        ValueError: naming the argument whose shape or dtype is wrong.
+    """
+    _check_shapes(
+        log_probs, advantages, {"rollout_log_probs": rollout_log_probs, "loss_mask": loss_mask}
+    )
+    dtype = _compute_dtype(log_probs)
+    mask = loss_mask.to(torch.bool)
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(-1).expand(log_probs.shape)
+    return LossInputs(
+        log_probs=_masked(log_probs, mask, dtype),
+        rollout_log_probs=_masked(rollout_log_probs.detach(), mask, dtype),
+        advantages=_masked(advantages.detach(), mask, dtype),
+        mask=mask,
+    )
+
+
+def sat_abs_staleness(
+    log_probs: Tensor, rollout_log_probs: Tensor, loss_mask: Tensor, config: ObjectiveConfig
+) -> Tensor:
+    """|d| of the active tokens of one micro-batch, for a global SAT quantile (SAT Eq. 14).
+
+    Under data parallelism / gradient accumulation: call this on every micro-batch on every rank,
+    all-gather and concatenate the results, then `q = sat_reference_quantile(all_abs_d,
+    config.sat_alpha)`, and pass `sat_quantile=q` to every `policy_loss` call of the step. `d` is
+    token level for "sat-grpo" and the sequence log-ratio broadcast for "sat-gspo" (Eq. 20).
+
+    Args:
+        log_probs, rollout_log_probs, loss_mask: [B, T] as for `policy_loss`.
+        config: a SAT objective's config.
+
+    Returns:
+        [num_active_tokens] detached float tensor, in mask order (row-major).
+
+    Raises:
+        ValueError: `config.name` is not a SAT objective, or a shape mismatch.
+    """
+    if config.name not in SAT_STALENESS:
+        raise ValueError(
+            f"ObjectiveConfig.name must be one of {sorted(SAT_STALENESS)} for "
+            f"sat_abs_staleness, got {config.name!r}"
+        )
+    zeros = torch.zeros(log_probs.shape[:1], dtype=log_probs.dtype, device=log_probs.device)
+    inp = prepare_inputs(log_probs.detach(), rollout_log_probs, zeros, loss_mask)
+    return SAT_STALENESS[config.name](inp).abs()[inp.mask]
+
+
+def _correction_weights(
+    inp: LossInputs, old_log_probs: Tensor | None, config: ObjectiveConfig
+) -> tuple[Tensor | None, dict[str, Tensor]]:
+    """Detached per-token TIS weight times IcePop keep mask, or None when neither is on.
+
+    `x = log pi_old - log mu`, with pi_old = mu (x = 0) when `old_log_probs` is None.
+    TIS: `w = min(exp(x), C)`, computed as exp(min(x, log C)) so it cannot overflow.
+    IcePop: keep iff `log alpha <= x <= log beta`, compared in log space.
+    """
+    if config.tis_cap is None and config.icepop_range is None:
+        return None, {}
+    if old_log_probs is None:
+        warnings.warn(
+            "tis_cap/icepop_range are set but old_log_probs is None: pi_old = mu, so TIS weights "
+            "are 1 and IcePop keeps every token",
+            stacklevel=3,
+        )
+        x = torch.zeros_like(inp.log_probs)
+    else:
+        x = _masked(old_log_probs.detach(), inp.mask, inp.log_probs.dtype) - inp.rollout_log_probs
+    weight = torch.ones_like(x)
+    metrics: dict[str, Tensor] = {}
+    if config.tis_cap is not None:
+        tis = torch.exp(x.clamp(max=math.log(config.tis_cap)))
+        weight = weight * tis
+        metrics["tis_weight_mean"] = masked_mean(tis, inp.mask)
+    if config.icepop_range is not None:
+        lo, hi = config.icepop_range
+        log_lo = math.log(lo) if lo > 0 else -math.inf
+        keep = (x >= log_lo) & (x <= math.log(hi))
+        weight = torch.where(keep, weight, torch.zeros_like(weight))
+        metrics["icepop_keep_rate"] = masked_mean(keep.to(x.dtype), inp.mask)
+    return weight, metrics
+
+
+def reference_kl(inp: LossInputs, ref_log_probs: Tensor) -> Tensor:
+    """[B, T] k3 ("low_var_kl") KL to the reference: `exp(-x) - 1 + x`, x clamped to [-10, 10].
+
+    `x = log pi_j - log pi_ref` (ALGORITHMS.md; Schulman's k3 of KL(pi_j || pi_ref)). The clamp
+    keeps value and gradient finite in fp32 for any x (the gradient is 0 outside the clamp).
+    """
+    ref = _masked(ref_log_probs.detach(), inp.mask, inp.log_probs.dtype)
+    x = (inp.log_probs - ref).clamp(-MAX_ABS_REF_LOG_RATIO, MAX_ABS_REF_LOG_RATIO)
+    return k3_estimator(-x)
+
+
+def policy_loss(
+    log_probs: Tensor,
+    rollout_log_probs: Tensor,
+    advantages: Tensor,
+    loss_mask: Tensor,
+    config: ObjectiveConfig,
+    ref_log_probs: Tensor | None = None,
+    old_log_probs: Tensor | None = None,
+    global_num_tokens: float | Tensor | None = None,
+    global_num_seqs: float | Tensor | None = None,
+    sat_quantile: float | Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Policy loss of `config.name`, aggregated, plus the optional k3 reference KL.
+
+    `loss = agg(-S * w) + kl_coef * agg(k3)`, with S the objective's clipped surrogate (shared
+    core `clipped_surrogate`), w the detached TIS weight times IcePop mask (1 when off; dropped
+    tokens stay in the aggregation denominator), agg = `aggregate_loss` with
+    `config.loss_agg_mode`. The ratio denominator is the rollout engine's mu, not a recomputed
+    old policy (ALGORITHMS.md, SAT Eq. 1).
+
+    Args:
+        log_probs: [B, T] float32 (bf16 is upcast, fp64 kept), trainer log pi_j of the response
+            tokens, natural log; requires grad.
+        rollout_log_probs: [B, T] rollout-engine log mu. Detached.
+        advantages: [B] per response or [B, T] per token. Detached.
+        loss_mask: [B, T] bool or 0/1, true on active response tokens. Values of every other
+            tensor at inactive positions are ignored, even NaN/inf, and get zero gradient.
+        config: ObjectiveConfig.
+        ref_log_probs: [B, T] reference log-probs; required when `config.kl_coef > 0`.
+        old_log_probs: [B, T] recomputed old-policy log-probs, numerator of TIS/IcePop.
+        global_num_tokens, global_num_seqs: global aggregation denominators, see
+            `aggregate_loss`; None = this batch alone.
+        sat_quantile: SAT q over the global batch (see `sat_abs_staleness`); None = from this
+            batch. Ignored, with a warning, by non-SAT objectives.
+
+    Returns:
+        (loss, metrics): 0-dim loss to minimise, in the compute dtype; metrics are detached 0-dim
+        tensors over this batch: `pg_loss`, `clipfrac_low`, `clipfrac_high` (`clipfrac_dual`),
+        `mismatch_abs_logratio`, `k1`, `k3`, `num_active_tokens`; SAT objectives add `sat_q`,
+        `sat_gate_rate`, `sat_eps_low_mean`, `sat_eps_high_mean`, `sat_c_plus_min`,
+        `sat_c_minus_min`; DPPO adds `dppo_drop_rate`; TIS `tis_weight_mean`; IcePop
+        `icepop_keep_rate`; `kl_loss` when `kl_coef > 0`.
+
+    Raises:
+        ValueError: a shape mismatch (naming the argument), `kl_coef > 0` without
+            `ref_log_probs`, a non-positive global denominator, a negative `sat_quantile`.
+    """
+    _check_shapes(
+        log_probs,
+        advantages,
+        {
+            "rollout_log_probs": rollout_log_probs,
+            "loss_mask": loss_mask,
+            "ref_log_probs": ref_log_probs,
+            "old_log_probs": old_log_probs,
+        },
+    )
+    if config.kl_coef > 0 and ref_log_probs is None:
+        raise ValueError("ref_log_probs is required when ObjectiveConfig.kl_coef > 0")
+    if sat_quantile is not None and config.name not in SAT_STALENESS:
+        warnings.warn(f"sat_quantile is ignored by objective {config.name!r}", stacklevel=2)
+    inp = prepare_inputs(log_probs, rollout_log_probs, advantages, loss_mask)
+    terms = OBJECTIVES[config.name](inp, config, sat_quantile)
+    per_token = -terms.surrogate
+    weight, weight_metrics = _correction_weights(inp, old_log_probs, config)
+    if weight is not None:
+        per_token = per_token * weight
+
+    def agg(x: Tensor) -> Tensor:
+        return aggregate_loss(
+            x,
+            inp.mask,
+            config.loss_agg_mode,
+            global_num_tokens=global_num_tokens,
+            global_num_seqs=global_num_seqs,
+            norm_constant=config.loss_agg_norm_constant,
+        )
+
+    pg_loss = agg(per_token)
+    loss = pg_loss
+    metrics = {
+        "pg_loss": pg_loss.detach(),
+        "num_active_tokens": inp.mask.sum().to(pg_loss.dtype),
+        **clip_fractions(
+            terms.ratio, inp.advantages, terms.eps_low, terms.eps_high, inp.mask, config.dual_clip_c
+        ),
+        **mismatch_metrics(inp.log_probs, inp.rollout_log_probs, inp.mask),
+        **terms.metrics,
+        **weight_metrics,
+    }
+    if config.kl_coef > 0:
+        kl_loss = agg(reference_kl(inp, ref_log_probs))
+        loss = loss + config.kl_coef * kl_loss
+        metrics["kl_loss"] = kl_loss.detach()
+    elif ref_log_probs is not None:
+        warnings.warn("ref_log_probs is ignored because ObjectiveConfig.kl_coef == 0", stacklevel=2)
+    return loss, {k: v.detach() for k, v in metrics.items()}
