@@ -1,0 +1,1 @@
+"""Rollout: sample records, the SGLang HTTP client, the rollout pool and the embedded CPU server."""

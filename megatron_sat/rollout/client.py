@@ -1,0 +1,436 @@
+"""Typed HTTP client for SGLang's native API (a real SGLang server or our embedded server).
+
+Field names, request and response shapes follow sglang 0.5.23 (``srt/managers/io_struct.py``,
+``srt/entrypoints/http_server.py``). Retries and timeouts live here and only here: idempotent
+calls are retried on connection errors and HTTP 503; the weight-update calls are never retried,
+because they are one half of a collective whose other half (the broadcast) cannot be replayed.
+Every error names the server URL and the endpoint.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import numpy as np
+
+from megatron_sat.routing.payload import decode_routed_experts
+
+# SGLang treats temperature below this as greedy (temperature 1, top_k 1):
+# sglang/srt/sampling/sampling_params.py:_SAMPLING_EPS.
+SAMPLING_EPS = 1e-6
+PAUSE_MODES = ("abort", "retract", "in_place")
+# Other SGLang sampling_params, accepted only at values that leave sampling unchanged
+# (token-id responses have no text, so the text-only switches are neutral at any value).
+_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "min_p": (0, 0.0),
+    "frequency_penalty": (0, 0.0),
+    "presence_penalty": (0, 0.0),
+    "repetition_penalty": (1, 1.0),
+    "min_new_tokens": (0,),
+    "ignore_eos": (False,),
+    "n": (1,),
+    "stop": ([], ""),
+    "skip_special_tokens": (True, False),
+    "spaces_between_special_tokens": (True, False),
+    "no_stop_trim": (True, False),
+}
+
+
+class SGLangError(RuntimeError):
+    """An SGLang endpoint failed or answered something we cannot use."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """The subset of SGLang's ``sampling_params`` we use; defaults are SGLang's.
+
+    Attributes:
+        temperature: softmax temperature; < 1e-6 means greedy (SGLang's convention).
+        top_p: nucleus mass in (0, 1].
+        top_k: keep the k most likely tokens; -1 keeps the whole vocabulary.
+        max_new_tokens: maximum response length in tokens (>= 0).
+        stop_token_ids: extra stop tokens (the model's eos ids always stop).
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 128
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        # Callers pass lists; keep the frozen record hashable and immutable.
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k != -1 and self.top_k < 1:
+            raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
+        if self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be >= 0, got {self.stop_token_ids}")
+
+    @property
+    def greedy(self) -> bool:
+        """True when SGLang would decode greedily."""
+        return self.temperature < SAMPLING_EPS
+
+    def to_json(self) -> dict[str, Any]:
+        """SGLang's ``sampling_params`` JSON object."""
+        return {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "max_new_tokens": self.max_new_tokens,
+            "stop_token_ids": list(self.stop_token_ids),
+        }
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> SamplingParams:
+        """Parse SGLang's ``sampling_params``; None means SGLang's default.
+
+        Raises:
+            ValueError: on a key this class does not implement set to a value that would change
+                sampling (naming it), or a bad value.
+        """
+        ours = set(cls.__dataclass_fields__)
+        for key, value in obj.items():
+            if key not in ours and value is not None and value not in _NEUTRAL.get(key, ()):
+                raise ValueError(f"unsupported sampling_params {key}={value!r}")
+        return cls(**{k: v for k, v in obj.items() if k in ours and v is not None})
+
+
+@dataclass(frozen=True)
+class RoutingSpec:
+    """Shape of the served model's routing, needed to decode ``routed_experts``."""
+
+    num_layers: int
+    top_k: int
+    num_experts: int
+
+
+@dataclass
+class GenerateOutput:
+    """One finished request of ``/generate``.
+
+    Attributes:
+        output_ids: response token ids, length R (a matched stop token included).
+        output_token_logprobs: natural log-prob of each output token under the engine's
+            temperature-scaled distribution before top-p/top-k truncation (SGLang's default);
+            length R, or empty when not requested.
+        finish_reason: "stop", "length" or "abort".
+        weight_version: the server's weight version when the request finished.
+        routed_experts: [P + R - 1 - routed_experts_start_len, num_layers, top_k] uint8 (<= 256
+            experts) or int16; None when not requested or when an aborted request never ran.
+        prompt_tokens: P.
+        completion_tokens: R.
+        meta_info: the raw meta_info object, for anything not typed above.
+    """
+
+    output_ids: list[int]
+    output_token_logprobs: list[float]
+    finish_reason: str
+    weight_version: str
+    routed_experts: np.ndarray | None
+    prompt_tokens: int
+    completion_tokens: int
+    meta_info: dict[str, Any] = field(default_factory=dict, repr=False)
+
+
+class SGLangClient:
+    """Blocking, thread-safe client of one server.
+
+    Args:
+        base_url: e.g. "http://127.0.0.1:30000".
+        timeout_s: timeout of every HTTP call, seconds (generation included).
+        max_retries: extra attempts of idempotent calls on connection errors / HTTP 503.
+        retry_backoff_s: sleep before the first retry, doubled after each.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        timeout_s: float = 600.0,
+        *,
+        max_retries: int = 3,
+        retry_backoff_s: float = 0.5,
+    ) -> None:
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        if max_retries < 0:
+            raise ValueError(f"max_retries must be >= 0, got {max_retries}")
+        self.base_url = base_url.rstrip("/")
+        self.timeout_s = timeout_s
+        self.max_retries = max_retries
+        self.retry_backoff_s = retry_backoff_s
+        self._http = httpx.Client(base_url=self.base_url, timeout=timeout_s)
+
+    def __repr__(self) -> str:
+        return f"SGLangClient({self.base_url!r})"
+
+    def close(self) -> None:
+        """Close the connection pool."""
+        self._http.close()
+
+    # ---- generation -------------------------------------------------------------------------
+
+    def generate(
+        self,
+        input_ids: Sequence[int] | Sequence[Sequence[int]],
+        sampling: SamplingParams,
+        *,
+        routing: RoutingSpec | None = None,
+        routed_experts_start_len: int = 0,
+        return_logprob: bool = True,
+    ) -> list[GenerateOutput]:
+        """POST /generate with token ids; one output per prompt, in order.
+
+        Args:
+            input_ids: one prompt (list of ids) or a batch (list of lists).
+            sampling: sampling parameters shared by the batch.
+            routing: when given, ask for routed experts and decode them with this shape.
+            routed_experts_start_len: first token position whose routing is returned.
+            return_logprob: ask for ``output_token_logprobs``.
+
+        Raises:
+            SGLangError: on HTTP errors, a missing field (e.g. routed_experts when the server
+                was started without --enable-return-routed-experts) or inconsistent output.
+        """
+        batch = [list(p) for p in input_ids] if _is_batch(input_ids) else [list(input_ids)]
+        if not batch or any(len(p) == 0 for p in batch):
+            raise ValueError("every prompt needs at least one token")
+        body: dict[str, Any] = {
+            "input_ids": batch if _is_batch(input_ids) else batch[0],
+            "sampling_params": sampling.to_json(),
+            "return_logprob": return_logprob,
+        }
+        if routing is not None:
+            body["return_routed_experts"] = True
+            body["routed_experts_start_len"] = routed_experts_start_len
+        reply = self._request("POST", "/generate", body, retry=True).json()
+        items = reply if isinstance(reply, list) else [reply]
+        if len(items) != len(batch):
+            raise SGLangError(f"{self.base_url}/generate: {len(items)} outputs for {len(batch)}")
+        return [
+            self._parse_output(item, len(prompt), routing, routed_experts_start_len, return_logprob)
+            for item, prompt in zip(items, batch, strict=True)
+        ]
+
+    def _parse_output(
+        self,
+        item: dict[str, Any],
+        prompt_len: int,
+        routing: RoutingSpec | None,
+        start_len: int,
+        return_logprob: bool,
+    ) -> GenerateOutput:
+        where = f"{self.base_url}/generate"
+        try:
+            meta = item["meta_info"]
+            output_ids = [int(t) for t in item["output_ids"]]
+            finish = meta["finish_reason"]
+            weight_version = str(meta["weight_version"])
+        except (KeyError, TypeError) as e:
+            raise SGLangError(f"{where}: malformed output, missing {e}: {item!r:.300}") from e
+        if not isinstance(finish, dict) or "type" not in finish:
+            raise SGLangError(f"{where}: request did not finish (finish_reason={finish!r})")
+        logprobs: list[float] = []
+        if return_logprob:
+            entries = meta.get("output_token_logprobs")
+            if entries is None or len(entries) != len(output_ids):
+                count = None if entries is None else len(entries)
+                raise SGLangError(
+                    f"{where}: output_token_logprobs has {count} entries for "
+                    f"{len(output_ids)} output tokens"
+                )
+            for pos, (entry, token) in enumerate(zip(entries, output_ids, strict=True)):
+                if int(entry[1]) != token:
+                    raise SGLangError(
+                        f"{where}: output_token_logprobs[{pos}] is for token {entry[1]}, "
+                        f"output_ids[{pos}] is {token}"
+                    )
+                logprobs.append(float(entry[0]))
+        routed = None
+        payload = meta.get("routed_experts")
+        # A request aborted before it ran has no routing; the caller retries it anyway.
+        if routing is not None and not (payload is None and finish["type"] == "abort"):
+            if payload is None:
+                raise SGLangError(
+                    f"{where}: no routed_experts in the response; start the server with "
+                    "--enable-return-routed-experts"
+                )
+            try:
+                routed = decode_routed_experts(
+                    payload,
+                    num_tokens=max(0, prompt_len + len(output_ids) - 1 - start_len),
+                    num_layers=routing.num_layers,
+                    top_k=routing.top_k,
+                    num_experts=routing.num_experts,
+                )
+            except ValueError as e:
+                raise SGLangError(f"{where}: {e}") from e
+        return GenerateOutput(
+            output_ids=output_ids,
+            output_token_logprobs=logprobs,
+            finish_reason=str(finish["type"]),
+            weight_version=weight_version,
+            routed_experts=routed,
+            prompt_tokens=int(meta.get("prompt_tokens", prompt_len)),
+            completion_tokens=int(meta.get("completion_tokens", len(output_ids))),
+            meta_info=meta,
+        )
+
+    # ---- status -----------------------------------------------------------------------------
+
+    def health(self) -> bool:
+        """GET /health: True on HTTP 200, False on any other status or a connection error."""
+        try:
+            return self._http.get("/health").status_code == 200
+        except httpx.TransportError:
+            return False
+
+    def get_weight_version(self) -> str:
+        """The server's ``weight_version`` (SGLang serves it in GET /model_info)."""
+        info = self._request("GET", "/model_info", None, retry=True).json()
+        if "weight_version" not in info:
+            raise SGLangError(f"{self.base_url}/model_info: no weight_version in {info!r:.300}")
+        return str(info["weight_version"])
+
+    # ---- generation control -----------------------------------------------------------------
+
+    def pause_generation(self, mode: str = "abort") -> None:
+        """POST /pause_generation; ``mode`` is SGLang's "abort", "retract" or "in_place"."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
+        self._request("POST", "/pause_generation", {"mode": mode}, retry=True)
+
+    def continue_generation(self) -> None:
+        """POST /continue_generation."""
+        self._request("POST", "/continue_generation", {}, retry=True)
+
+    def flush_cache(self) -> None:
+        """POST /flush_cache (SGLang refuses while requests run; that raises SGLangError)."""
+        self._request("POST", "/flush_cache", None, retry=True)
+
+    # ---- weight update (never retried) ------------------------------------------------------
+
+    def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str,
+        backend: str,
+    ) -> None:
+        """POST /init_weights_update_group; returns once the server joined the group.
+
+        Raises:
+            SGLangError: naming the server and its message when it fails.
+        """
+        body = {
+            "master_address": master_address,
+            "master_port": master_port,
+            "rank_offset": rank_offset,
+            "world_size": world_size,
+            "group_name": group_name,
+            "backend": backend,
+        }
+        self._check_success(self._request("POST", "/init_weights_update_group", body))
+
+    def destroy_weights_update_group(self, group_name: str) -> None:
+        """POST /destroy_weights_update_group."""
+        body = {"group_name": group_name}
+        self._check_success(self._request("POST", "/destroy_weights_update_group", body))
+
+    def update_weights_from_distributed(
+        self,
+        names: Sequence[str],
+        dtypes: Sequence[str],
+        shapes: Sequence[Sequence[int]],
+        *,
+        group_name: str,
+        weight_version: str | None = None,
+        flush_cache: bool = True,
+        abort_all_requests: bool = False,
+        load_format: str | None = None,
+    ) -> None:
+        """POST /update_weights_from_distributed; returns after the server loaded the tensors.
+
+        The caller must broadcast the tensors (in ``names`` order, src rank 0) concurrently.
+
+        Raises:
+            SGLangError: with the server's message (it names a rejected parameter).
+        """
+        body = {
+            "names": list(names),
+            "dtypes": list(dtypes),
+            "shapes": [list(s) for s in shapes],
+            "group_name": group_name,
+            "flush_cache": flush_cache,
+            "abort_all_requests": abort_all_requests,
+            "weight_version": weight_version,
+            "load_format": load_format,
+        }
+        self._check_success(self._request("POST", "/update_weights_from_distributed", body))
+
+    # ---- plumbing ---------------------------------------------------------------------------
+
+    def _check_success(self, response: httpx.Response) -> None:
+        reply = response.json()
+        if not reply.get("success", False):
+            raise SGLangError(f"{response.request.url}: {reply.get('message', reply)}")
+
+    def _request(
+        self, method: str, endpoint: str, body: Any, *, retry: bool = False
+    ) -> httpx.Response:
+        """Send one call; raise SGLangError naming URL and endpoint on failure.
+
+        A weight-update reply with HTTP 400 and ``success: false`` is returned, not raised, so
+        the caller can surface the server's message.
+        """
+        attempts = 1 + (self.max_retries if retry else 0)
+        delay = self.retry_backoff_s
+        for attempt in range(attempts):
+            try:
+                response = self._http.request(method, endpoint, json=body)
+            except httpx.TransportError as e:
+                if attempt + 1 < attempts and isinstance(
+                    e, (httpx.ConnectError, httpx.ConnectTimeout)
+                ):
+                    time.sleep(delay)
+                    delay *= 2
+                    continue
+                raise SGLangError(f"{method} {self.base_url}{endpoint} failed: {e!r}") from e
+            if response.status_code == 503 and attempt + 1 < attempts:
+                time.sleep(delay)
+                delay *= 2
+                continue
+            if response.is_success or _is_success_false(response):
+                return response
+            raise SGLangError(
+                f"{method} {self.base_url}{endpoint} -> HTTP {response.status_code}: "
+                f"{response.text[:1000]}"
+            )
+        raise AssertionError("unreachable")
+
+
+def _is_batch(input_ids: Sequence[int] | Sequence[Sequence[int]]) -> bool:
+    return len(input_ids) > 0 and not isinstance(input_ids[0], (int, np.integer))
+
+
+def _is_success_false(response: httpx.Response) -> bool:
+    """SGLang answers failed weight/group calls with HTTP 400 and {"success": false, ...}."""
+    if response.status_code != 400:
+        return False
+    try:
+        reply = response.json()
+    except ValueError:
+        return False
+    return isinstance(reply, dict) and reply.get("success") is False

@@ -1,0 +1,1 @@
+"""Embedded rollout server: a CPU transformers model behind SGLang's HTTP API."""

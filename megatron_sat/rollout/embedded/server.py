@@ -1,0 +1,505 @@
+"""Embedded rollout server: SGLang's native HTTP API over ``GenerationEngine`` on the CPU.
+
+Run: ``python -m megatron_sat.rollout.embedded.server --model-path DIR --host 127.0.0.1
+--port P --random-seed S [--enable-return-routed-experts] [--max-running-requests N]
+[--dist-timeout SECONDS]`` (flags spelled as ``sglang.launch_server``'s).
+
+Endpoints and JSON as sglang 0.5.23 (``srt/entrypoints/http_server.py``, ``io_struct.py``):
+``/health``, ``/model_info`` (carries ``weight_version``), ``/generate`` (token ids in, token ids
+out, as SGLang with ``--skip-tokenizer-init``: no ``text``), ``/flush_cache``,
+``/pause_generation``, ``/continue_generation``, ``/init_weights_update_group``,
+``/destroy_weights_update_group``, ``/update_weights_from_distributed``.
+
+Deliberate differences from SGLang, each loud rather than silent:
+
+- Request fields we do not implement (``text``, ``stream``, top logprobs, penalties, ...) get
+  HTTP 400 naming the field, instead of being honoured.
+- ``return_routed_experts`` without ``--enable-return-routed-experts`` is HTTP 400 (SGLang
+  silently omits the field).
+- There is no prefix cache, so ``/flush_cache`` has nothing to drop and always succeeds.
+- Pause modes "retract" and "in_place" let the running batch finish before the pause returns;
+  queued requests wait until ``/continue_generation``. "abort" (SGLang's default) stops the
+  running batch after its current decode step and aborts queued requests
+  (finish_reason ``{"type": "abort", ...}``, partial outputs kept).
+
+Failed weight updates (the protocol, chosen so that no side can hang): the handler validates the
+whole request before touching the group. (1) If the request cannot even describe the tensors to
+receive (unknown ``group_name``, ``names``/``dtypes``/``shapes`` of different lengths, an unknown
+dtype, a negative dimension, an unsupported ``load_format``) it answers HTTP 400 at once
+without joining the broadcast; a sender that builds its metadata from real tensors (our
+WeightUpdater) never produces these, and the group's timeout bounds anyone else's wait.
+(2) If the metadata is well formed but does not match the model (unknown parameter name, wrong
+shape or dtype), it still receives every declared tensor into scratch buffers -- so the
+sender's broadcasts complete and the group stays in step for the next request -- then answers
+HTTP 400 ``{"success": false, "message": ...}`` naming each bad parameter, with no weight
+modified and ``weight_version`` unchanged. (3) Otherwise it receives all tensors of the request,
+then copies them into the model (a request is applied whole or not at all) and sets
+``weight_version`` if the request carries one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import secrets
+import threading
+import time
+import uuid
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+
+from megatron_sat.rollout.client import PAUSE_MODES, SamplingParams
+from megatron_sat.rollout.embedded.engine import EngineOutput, EngineRequest, GenerationEngine
+from megatron_sat.routing.payload import encode_routed_experts
+from megatron_sat.weight_sync.group import WeightUpdateGroup, create_weight_update_group
+
+logger = logging.getLogger("megatron_sat.embedded")
+
+# Top-level /generate fields we honour, and those we accept only at SGLang's default value.
+_GENERATE_FIELDS = {
+    "input_ids",
+    "sampling_params",
+    "return_logprob",
+    "return_routed_experts",
+    "routed_experts_start_len",
+    "rid",
+}
+_GENERATE_DEFAULTS: dict[str, tuple[Any, ...]] = {
+    "stream": (False,),
+    "logprob_start_len": (-1,),
+    "top_logprobs_num": (0,),
+    "return_text_in_logprobs": (False,),
+}
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Command-line configuration (SGLang's flag names).
+
+    Attributes:
+        model_path: HF checkpoint directory.
+        host, port: where uvicorn listens.
+        random_seed: seed of the sampling generator.
+        enable_return_routed_experts: allow ``return_routed_experts`` requests.
+        max_running_requests: most prompts decoded together in one batch.
+        dist_timeout_s: timeout of the weight-update group's rendezvous and broadcasts, seconds.
+    """
+
+    model_path: str
+    host: str = "127.0.0.1"
+    port: int = 30000
+    random_seed: int = 0
+    enable_return_routed_experts: bool = False
+    max_running_requests: int = 64
+    dist_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if self.max_running_requests < 1:
+            raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
+        if self.dist_timeout_s <= 0:
+            raise ValueError(f"dist_timeout_s must be > 0, got {self.dist_timeout_s}")
+
+
+@dataclass
+class _Work:
+    requests: list[EngineRequest]
+    future: Future = field(default_factory=Future)
+
+
+class _Scheduler:
+    """Batches queued /generate work on one thread; honours pause/abort; owns the model lock.
+
+    ``model_lock`` is held while a batch runs and while weights are loaded, so the two never
+    overlap. Lock order: ``_cond`` may be held when taking ``model_lock``, never the reverse.
+    """
+
+    def __init__(self, engine: GenerationEngine, max_running_requests: int) -> None:
+        self.engine = engine
+        self.max_running_requests = max_running_requests
+        self.model_lock = threading.Lock()
+        self._cond = threading.Condition()
+        self._pending: deque[_Work] = deque()
+        self._paused = False
+        self._abort = threading.Event()
+        # Changed only under model_lock, so a batch reads the version its weights carry.
+        self.weight_version = "default"  # SGLang's default --weight-version
+        threading.Thread(target=self._loop, name="generation", daemon=True).start()
+
+    def submit(self, requests: list[EngineRequest]) -> list[Future]:
+        """Queue requests in chunks of at most ``max_running_requests``; one future per chunk.
+
+        Each future resolves to (outputs of its chunk, weight_version the chunk ran under).
+        """
+        size = self.max_running_requests
+        works = [_Work(requests[i : i + size]) for i in range(0, len(requests), size)]
+        with self._cond:
+            self._pending.extend(works)
+            self._cond.notify_all()
+        return [work.future for work in works]
+
+    def pause(self, mode: str) -> None:
+        """Stop taking batches; return once no batch runs (see the module docstring)."""
+        with self._cond:
+            self._paused = True
+        if mode == "abort":
+            self.abort_all()
+        with self.model_lock:  # waits for the running batch
+            pass
+
+    def resume(self) -> None:
+        with self._cond:
+            self._paused = False
+            self._cond.notify_all()
+
+    def abort_all(self) -> None:
+        """Abort queued work now and the running batch after its current decode step."""
+        with self._cond:
+            aborted = list(self._pending)
+            self._pending.clear()
+            self._abort.set()
+        for work in aborted:
+            work.future.set_result(([_aborted(r) for r in work.requests], self.weight_version))
+        with self.model_lock:
+            self._abort.clear()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while self._paused or not self._pending:
+                    self._cond.wait()
+                batch = [self._pending.popleft()]
+                size = len(batch[0].requests)
+                while (
+                    self._pending
+                    and size + len(self._pending[0].requests) <= self.max_running_requests
+                ):
+                    size += len(self._pending[0].requests)
+                    batch.append(self._pending.popleft())
+                self.model_lock.acquire()
+            try:
+                requests = [r for work in batch for r in work.requests]
+                outputs = self.engine.generate(requests, should_abort=self._abort.is_set)
+                version = self.weight_version
+            except Exception as e:
+                logger.exception("generation failed")
+                for work in batch:
+                    work.future.set_exception(e)
+            else:
+                start = 0
+                for work in batch:
+                    work.future.set_result((outputs[start : start + len(work.requests)], version))
+                    start += len(work.requests)
+            finally:
+                self.model_lock.release()
+
+
+def _aborted(request: EngineRequest) -> EngineOutput:
+    """Output of a request aborted before it ran: nothing generated, no routing computed."""
+    return EngineOutput([], [], "abort", None, None)
+
+
+class ServerState:
+    """Everything the endpoints share: the one object held by the FastAPI app."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.engine = GenerationEngine(config.model_path, seed=config.random_seed)
+        self.scheduler = _Scheduler(self.engine, config.max_running_requests)
+        self.groups: dict[str, WeightUpdateGroup] = {}
+
+    # ---- /generate --------------------------------------------------------------------------
+
+    def parse_generate(self, body: dict[str, Any]) -> tuple[list[EngineRequest], bool]:
+        """Requests of a /generate body and whether it was a batch.
+
+        Raises:
+            ValueError: naming the offending field.
+        """
+        for key, value in body.items():
+            if key in _GENERATE_FIELDS or value is None:
+                continue
+            if value not in _GENERATE_DEFAULTS.get(key, ()):
+                raise ValueError(f"unsupported /generate field {key!r}={value!r:.80}")
+        input_ids = body.get("input_ids")
+        if not isinstance(input_ids, list) or not input_ids:
+            raise ValueError("input_ids must be a non-empty list of token ids or of lists")
+        is_batch = isinstance(input_ids[0], list)
+        prompts = input_ids if is_batch else [input_ids]
+        raw = body.get("sampling_params") or {}
+        raw_list = raw if isinstance(raw, list) else [raw] * len(prompts)
+        if len(raw_list) != len(prompts):
+            raise ValueError(f"{len(raw_list)} sampling_params for {len(prompts)} prompts")
+        requests = [
+            EngineRequest([int(t) for t in p], SamplingParams.from_json(s))
+            for p, s in zip(prompts, raw_list, strict=True)
+        ]
+        vocab = self.engine.model.config.vocab_size
+        for i, req in enumerate(requests):
+            # Checked here, not in the engine, so a bad prompt cannot fail a shared batch.
+            if not req.input_ids or min(req.input_ids) < 0 or max(req.input_ids) >= vocab:
+                raise ValueError(f"prompt {i}: empty or token id outside [0, {vocab})")
+        if body.get("return_routed_experts") and not self.config.enable_return_routed_experts:
+            raise ValueError("return_routed_experts needs --enable-return-routed-experts")
+        start = body.get("routed_experts_start_len") or 0
+        for i, req in enumerate(requests):
+            if not 0 <= start <= len(req.input_ids):
+                raise ValueError(
+                    f"routed_experts_start_len={start} outside [0, {len(req.input_ids)}] "
+                    f"(prompt {i} has {len(req.input_ids)} tokens)"
+                )
+        return requests, is_batch
+
+    def render(
+        self, body: dict[str, Any], req: EngineRequest, out: EngineOutput, weight_version: str
+    ) -> dict:
+        """One SGLang /generate output object."""
+        finish: dict[str, Any]
+        if out.finish_reason == "stop":
+            finish = {"type": "stop", "matched": out.matched_stop}
+        elif out.finish_reason == "length":
+            finish = {"type": "length", "length": req.sampling.max_new_tokens}
+        else:
+            finish = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
+        meta: dict[str, Any] = {
+            "id": body.get("rid") or uuid.uuid4().hex,
+            "finish_reason": finish,
+            "prompt_tokens": len(req.input_ids),
+            "completion_tokens": len(out.output_ids),
+            "cached_tokens": 0,
+            "weight_version": weight_version,
+        }
+        if body.get("return_logprob"):
+            meta["output_token_logprobs"] = [
+                [lp, tok, None]
+                for lp, tok in zip(out.output_token_logprobs, out.output_ids, strict=True)
+            ]
+            meta["output_token_logprobs_length"] = len(out.output_ids)
+        if body.get("return_routed_experts") and out.routed_experts is not None:
+            start = body.get("routed_experts_start_len") or 0
+            meta["routed_experts"] = encode_routed_experts(out.routed_experts[start:])
+        return {"output_ids": out.output_ids, "meta_info": meta}
+
+    # ---- weight-update group ----------------------------------------------------------------
+
+    def init_group(self, body: dict[str, Any]) -> tuple[bool, str]:
+        name = body.get("group_name", "weight_update_group")
+        if name in self.groups:
+            return False, f"weight update group {name!r} already exists; destroy it first"
+        try:
+            self.groups[name] = create_weight_update_group(
+                master_address=body["master_address"],
+                master_port=int(body["master_port"]),
+                rank=int(body["rank_offset"]),
+                world_size=int(body["world_size"]),
+                group_name=name,
+                backend=body.get("backend", "nccl"),
+                timeout_s=self.config.dist_timeout_s,
+            )
+        except Exception as e:
+            return False, f"Failed to initialize custom process group: {e!r}."
+        return True, "Succeeded to initialize custom process group."
+
+    def destroy_group(self, body: dict[str, Any]) -> tuple[bool, str]:
+        group = self.groups.pop(body.get("group_name", "weight_update_group"), None)
+        if group is None:
+            return False, "The group to be destroyed does not exist."
+        group.destroy()
+        return True, "Succeeded to destroy custom process group."
+
+    def check_update(
+        self, body: dict[str, Any]
+    ) -> tuple[str | None, list[tuple[str, torch.dtype, tuple[int, ...]]], list[str]]:
+        """Validate an update request before any broadcast is consumed.
+
+        Returns:
+            (fatal, specs, mismatches): ``fatal`` is a message when the request cannot be
+            received at all (answer without joining); ``specs`` the (name, dtype, shape) to
+            receive; ``mismatches`` one message per parameter the model cannot take.
+        """
+        group_name = body.get("group_name", "weight_update_group")
+        if group_name not in self.groups:
+            return f"group {group_name!r} not initialized; call /init_weights_update_group", [], []
+        if body.get("load_format") is not None:
+            return f"load_format={body['load_format']!r} is not supported (only null)", [], []
+        names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
+        if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)):
+            return "names, dtypes and shapes must be lists", [], []
+        if not len(names) == len(dtypes) == len(shapes):
+            lengths = (len(names), len(dtypes), len(shapes))
+            return f"names/dtypes/shapes lengths differ: {lengths}", [], []
+        specs, mismatches = [], []
+        for name, dtype_name, shape in zip(names, dtypes, shapes, strict=True):
+            dtype = getattr(torch, str(dtype_name).removeprefix("torch."), None)
+            if not isinstance(dtype, torch.dtype):
+                return f"{name}: unknown dtype {dtype_name!r}", [], []
+            if any(int(d) < 0 for d in shape):
+                return f"{name}: negative dimension in shape {shape}", [], []
+            specs.append((name, dtype, tuple(int(d) for d in shape)))
+            target = self.engine.weight_targets.get(name)
+            if target is None:
+                mismatches.append(f"{name}: unknown parameter name")
+            elif tuple(target.shape) != tuple(shape) or target.dtype != dtype:
+                mismatches.append(
+                    f"{name}: expected {target.dtype} {list(target.shape)}, "
+                    f"got {dtype} {list(shape)}"
+                )
+        return None, specs, mismatches
+
+    def receive_update(
+        self, body: dict[str, Any], specs, mismatches: list[str]
+    ) -> tuple[bool, str]:
+        """Receive every declared tensor (src rank 0), then load them unless any mismatched."""
+        group = self.groups[body.get("group_name", "weight_update_group")]
+        with self.scheduler.model_lock:
+            buffers = [torch.empty(shape, dtype=dtype) for _, dtype, shape in specs]
+            try:
+                works = [group.broadcast(buf, src=0, async_op=True) for buf in buffers]
+                for work in works:
+                    work.wait()
+            except RuntimeError as e:  # timeout or a sender that went away; nothing loaded
+                return False, f"broadcast failed, no weight loaded (group may be unusable): {e!r}"
+            if mismatches:
+                return False, f"rejected {len(mismatches)} parameter(s): " + "; ".join(mismatches)
+            self.engine.load_weights([(s[0], buf) for s, buf in zip(specs, buffers, strict=True)])
+            if body.get("weight_version") is not None:
+                self.scheduler.weight_version = str(body["weight_version"])
+        return True, "Succeeded to update parameter online."
+
+
+def create_app(state: ServerState) -> FastAPI:
+    """The FastAPI app; ``state`` is its only shared object (``app.state.server``)."""
+    app = FastAPI()
+    app.state.server = state
+
+    def error(message: str) -> JSONResponse:
+        return JSONResponse({"error": {"message": message}}, status_code=400)
+
+    def result(success: bool, message: str) -> JSONResponse:
+        return JSONResponse({"success": success, "message": message}, 200 if success else 400)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/model_info")
+    async def model_info() -> dict:
+        return {
+            "model_path": state.config.model_path,
+            "is_generation": True,
+            "weight_version": state.scheduler.weight_version,
+            "architectures": state.engine.model.config.architectures,
+            "model_type": state.engine.model.config.model_type,
+        }
+
+    @app.api_route("/generate", methods=["POST", "PUT"])
+    async def generate(request: Request) -> Response:
+        try:
+            body = await request.json()
+            requests, is_batch = state.parse_generate(body)
+        except (ValueError, TypeError, AttributeError) as e:
+            return error(f"invalid /generate request: {e}")
+        futures = state.scheduler.submit(requests)
+        try:
+            chunks = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
+        except Exception as e:  # the engine failed; the log has the traceback
+            return JSONResponse({"error": {"message": f"generation failed: {e!r}"}}, 500)
+        outputs = [(out, version) for chunk, version in chunks for out in chunk]
+        rendered = [
+            state.render(body, r, o, version)
+            for r, (o, version) in zip(requests, outputs, strict=True)
+        ]
+        return JSONResponse(rendered if is_batch else rendered[0])
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache() -> Response:
+        return PlainTextResponse("Cache flushed.\n")
+
+    @app.post("/pause_generation")
+    async def pause_generation(request: Request) -> Response:
+        mode = (await _json_or_empty(request)).get("mode", "abort")
+        if mode not in PAUSE_MODES:
+            return error(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
+        await asyncio.to_thread(state.scheduler.pause, mode)
+        return JSONResponse({"message": "Generation paused successfully.", "status": "ok"})
+
+    @app.post("/continue_generation")
+    async def continue_generation() -> Response:
+        state.scheduler.resume()
+        return JSONResponse({"message": "Generation continued successfully.", "status": "ok"})
+
+    @app.post("/init_weights_update_group")
+    async def init_weights_update_group(request: Request) -> Response:
+        return result(*await asyncio.to_thread(state.init_group, await request.json()))
+
+    @app.post("/destroy_weights_update_group")
+    async def destroy_weights_update_group(request: Request) -> Response:
+        return result(*await asyncio.to_thread(state.destroy_group, await request.json()))
+
+    @app.post("/update_weights_from_distributed")
+    async def update_weights_from_distributed(request: Request) -> Response:
+        body = await request.json()
+        try:
+            fatal, specs, mismatches = state.check_update(body)
+        except (ValueError, TypeError) as e:
+            fatal, specs, mismatches = f"malformed request: {e!r}", [], []
+        if fatal is not None:
+            return result(False, fatal)
+        if body.get("abort_all_requests"):
+            await asyncio.to_thread(state.scheduler.abort_all)
+        return result(*await asyncio.to_thread(state.receive_update, body, specs, mismatches))
+
+    return app
+
+
+async def _json_or_empty(request: Request) -> dict[str, Any]:
+    raw = await request.body()
+    return {} if not raw else await request.json()
+
+
+def parse_args(argv: list[str] | None = None) -> ServerConfig:
+    """Parse SGLang-style flags into a ServerConfig."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model-path", required=True)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--random-seed", type=int, default=None, help="default: a random seed")
+    p.add_argument("--enable-return-routed-experts", action="store_true")
+    p.add_argument("--max-running-requests", type=int, default=64)
+    p.add_argument("--dist-timeout", type=float, default=600.0, help="seconds")
+    a = p.parse_args(argv)
+    seed = a.random_seed if a.random_seed is not None else secrets.randbelow(2**31)
+    return ServerConfig(
+        model_path=a.model_path,
+        host=a.host,
+        port=a.port,
+        random_seed=seed,
+        enable_return_routed_experts=a.enable_return_routed_experts,
+        max_running_requests=a.max_running_requests,
+        dist_timeout_s=a.dist_timeout,
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    config = parse_args(argv)
+    start = time.perf_counter()
+    state = ServerState(config)
+    logger.info(
+        "loaded %s in %.1f s (seed %d)",
+        config.model_path,
+        time.perf_counter() - start,
+        config.random_seed,
+    )
+    uvicorn.run(create_app(state), host=config.host, port=config.port, log_level="warning")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""R3 routing replay: routed-experts payloads, alignment and replay control."""

@@ -1,0 +1,1 @@
+"""Weight sync: the trainer-to-server weight-update group and the bucketed broadcast."""

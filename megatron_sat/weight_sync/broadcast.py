@@ -1,0 +1,319 @@
+"""Trainer side of the weight push: bucketed broadcast to SGLang-compatible rollout servers."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from megatron_sat.rollout.client import PAUSE_MODES, SGLangClient
+from megatron_sat.weight_sync.group import (
+    WeightUpdateGroup,
+    create_weight_update_group,
+    host_store,
+)
+
+
+class WeightSyncError(RuntimeError):
+    """A weight push failed; the message names the servers, parameters and the servers' state."""
+
+
+@dataclass(frozen=True)
+class UpdateStats:
+    """What one ``WeightUpdater.update`` sent: tensors, bytes, buckets, wall seconds."""
+
+    num_tensors: int
+    num_bytes: int
+    num_buckets: int
+    seconds: float
+
+
+class WeightUpdater:
+    """Pushes HF-named tensors from trainer rank 0 to every rollout server (SGLang's protocol).
+
+    Setup, ``connect()``: rank 0 hosts a TCPStore (``master_port=None`` lets the OS pick the
+    port) and posts ``/init_weights_update_group`` (``rank_offset`` = 1 + ranks of the servers
+    before it, ``world_size`` = 1 + all server ranks) to every server concurrently while it
+    builds rank 0 of the group.
+
+    One ``update(named_tensors, weight_version)``:
+
+    1. ``/pause_generation`` (``pause_mode``) on every server, then ``/flush_cache``.
+    2. Tensors are packed in the caller's order into buckets of at most ``bucket_bytes`` (a
+       larger tensor travels alone). Per bucket, ``/update_weights_from_distributed`` with
+       ``names``, ``dtypes`` ("float32", "bfloat16", ...), ``shapes`` and ``group_name`` is posted
+       to every server concurrently while rank 0 broadcasts each tensor of the bucket, in
+       order, with its own dtype; then every reply is awaited. Only the final bucket carries
+       ``weight_version`` (and ``flush_cache=True``), so a server's version changes only once
+       all of its buckets loaded.
+    3. ``/continue_generation`` on every server.
+
+    Failures: a server validates each request before loading it (see the embedded server's
+    docstring: a mismatching request is still received, then rejected whole, naming each bad
+    parameter). If no server applied any bucket yet, generation is resumed and
+    ``WeightSyncError`` raised: weights and versions are unchanged. If some bucket was already
+    applied somewhere, the servers hold a mix of old and new weights under the old version, so
+    they are left paused and ``WeightSyncError`` says so: retry ``update`` (it ends with
+    ``/continue_generation``). Buckets are lazy: at most two are materialised at a time.
+
+    Args:
+        clients: one client per server.
+        master_address: the trainer's address as the servers see it.
+        master_port: TCPStore port; None lets the OS choose.
+        group_name: name of the group on every server.
+        backend: "gloo" (CPU tensors) or "nccl" (CUDA tensors).
+        bucket_bytes: bucket size limit, bytes.
+        ranks_per_server: group ranks each server takes (its TP size for SGLang); default 1.
+        pause_mode: SGLang pause mode used in step 1.
+        timeout_s: rendezvous and broadcast timeout, seconds.
+    """
+
+    def __init__(
+        self,
+        clients: Sequence[SGLangClient],
+        master_address: str = "127.0.0.1",
+        master_port: int | None = None,
+        group_name: str = "megatron_sat_weights",
+        backend: str = "gloo",
+        bucket_bytes: int = 512 * 2**20,
+        *,
+        ranks_per_server: Sequence[int] | None = None,
+        pause_mode: str = "retract",
+        timeout_s: float = 600.0,
+    ) -> None:
+        if not clients:
+            raise ValueError("clients must not be empty")
+        if bucket_bytes < 1:
+            raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
+        if pause_mode not in PAUSE_MODES:
+            raise ValueError(f"pause_mode must be one of {PAUSE_MODES}, got {pause_mode!r}")
+        self.ranks_per_server = list(ranks_per_server or [1] * len(clients))
+        if len(self.ranks_per_server) != len(clients) or min(self.ranks_per_server) < 1:
+            raise ValueError(f"ranks_per_server {self.ranks_per_server} for {len(clients)} servers")
+        self.clients = list(clients)
+        self.master_address = master_address
+        self.master_port = master_port
+        self.group_name = group_name
+        self.backend = backend
+        self.bucket_bytes = bucket_bytes
+        self.pause_mode = pause_mode
+        self.timeout_s = timeout_s
+        self.world_size = 1 + sum(self.ranks_per_server)
+        self._pool = ThreadPoolExecutor(len(self.clients), thread_name_prefix="weight_sync")
+        self._group: WeightUpdateGroup | None = None
+
+    def __enter__(self) -> WeightUpdater:
+        self.connect()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close()
+
+    def connect(self) -> None:
+        """Form the group with every server (blocks until all joined, up to ``timeout_s``).
+
+        Raises:
+            WeightSyncError: naming each server that failed to join.
+        """
+        if self._group is not None:
+            raise RuntimeError("WeightUpdater is already connected")
+        store = host_store(
+            self.master_address, self.master_port or 0, self.world_size, self.timeout_s
+        )
+        offsets = [1 + sum(self.ranks_per_server[:i]) for i in range(len(self.clients))]
+        futures = [
+            self._pool.submit(
+                c.init_weights_update_group,
+                self.master_address,
+                store.port,
+                offset,
+                self.world_size,
+                self.group_name,
+                self.backend,
+            )
+            for c, offset in zip(self.clients, offsets, strict=True)
+        ]
+        # Rank 0 joins on a daemon thread so that a server that refuses to join fails connect()
+        # now, instead of after the rendezvous timeout (the thread then times out on its own).
+        built: dict[str, object] = {}
+
+        def build() -> None:
+            try:
+                built["group"] = create_weight_update_group(
+                    self.master_address,
+                    store.port,
+                    rank=0,
+                    world_size=self.world_size,
+                    group_name=self.group_name,
+                    backend=self.backend,
+                    timeout_s=self.timeout_s,
+                    store=store,
+                )
+            except Exception as e:
+                built["error"] = e
+
+        thread = threading.Thread(target=build, name="weight_group_rank0", daemon=True)
+        thread.start()
+        self._raise_failures("init_weights_update_group", futures)
+        thread.join()
+        if "error" in built:
+            raise WeightSyncError(f"rank 0 failed to join {self.group_name!r}: {built['error']!r}")
+        self._group = built["group"]
+
+    def update(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: str
+    ) -> UpdateStats:
+        """Push every tensor (HF names, e.g. per-expert ``mlp.experts.{e}.up_proj.weight``).
+
+        Raises:
+            ValueError: on an empty update, an empty version or a repeated name.
+            WeightSyncError: when a server rejects a bucket or a call fails (see class docstring).
+        """
+        if self._group is None:
+            raise RuntimeError("call connect() before update()")
+        if not weight_version:
+            raise ValueError("weight_version must be a non-empty string")
+        start = time.perf_counter()
+        num_tensors = num_bytes = num_buckets = 0
+        applied_somewhere = False
+        try:
+            self._on_all_servers("pause_generation", lambda c: c.pause_generation(self.pause_mode))
+            self._on_all_servers("flush_cache", lambda c: c.flush_cache())
+            seen: set[str] = set()
+            buckets = _buckets(named_tensors, self.bucket_bytes)
+            bucket = next(buckets, None)
+            if bucket is None:
+                raise ValueError("update() got no tensors")
+            while bucket is not None:
+                following = next(buckets, None)
+                for name, _ in bucket:
+                    if name in seen:
+                        raise ValueError(f"tensor {name!r} appears twice in one update")
+                    seen.add(name)
+                is_last = following is None
+                num_loaded, failures = self._send_bucket(
+                    bucket, weight_version if is_last else None
+                )
+                applied_somewhere |= num_loaded > 0
+                if failures:
+                    names = ", ".join(name for name, _ in bucket[:3])
+                    raise WeightSyncError(
+                        f"update_weights_from_distributed of bucket {num_buckets} ({len(bucket)} "
+                        f"tensors: {names}{', ...' if len(bucket) > 3 else ''}) failed:\n"
+                        + "\n".join(failures)
+                    )
+                num_tensors += len(bucket)
+                num_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
+                num_buckets += 1
+                bucket = following
+        except (WeightSyncError, ValueError) as e:
+            if applied_somewhere:
+                raise WeightSyncError(
+                    f"{e}\nSome servers already loaded earlier buckets; all servers stay paused "
+                    "with mixed weights under their old weight_version: retry update()."
+                ) from e
+            self._on_all_servers("continue_generation", lambda c: c.continue_generation())
+            if isinstance(e, ValueError):
+                raise
+            raise WeightSyncError(f"{e}\nNo server changed weights; generation resumed.") from e
+        self._on_all_servers("continue_generation", lambda c: c.continue_generation())
+        return UpdateStats(num_tensors, num_bytes, num_buckets, time.perf_counter() - start)
+
+    def _send_bucket(
+        self, bucket: list[tuple[str, torch.Tensor]], weight_version: str | None
+    ) -> tuple[int, list[str]]:
+        """Post one bucket to all servers while broadcasting it.
+
+        Returns:
+            (servers that loaded the bucket, one line per failure).
+        """
+        if self.backend == "nccl":
+            device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            device = torch.device("cpu")
+        tensors = [t.detach().to(device).contiguous() for _, t in bucket]
+        futures = [
+            self._pool.submit(
+                c.update_weights_from_distributed,
+                [name for name, _ in bucket],
+                [str(t.dtype).removeprefix("torch.") for t in tensors],
+                [list(t.shape) for t in tensors],
+                group_name=self.group_name,
+                weight_version=weight_version,
+                flush_cache=weight_version is not None,
+            )
+            for c in self.clients
+        ]
+        broadcast_error = None
+        try:
+            for tensor in tensors:
+                self._group.broadcast(tensor, src=0)
+        except RuntimeError as e:  # gloo/nccl timeout or a peer that went away
+            broadcast_error = e
+        failures = _failures(self.clients, futures)
+        num_loaded = len(self.clients) - len(failures)
+        if broadcast_error is not None:
+            failures.append(
+                f"  rank 0 broadcast failed ({broadcast_error!r}); the group may be unusable: "
+                "close() and connect() again"
+            )
+        return num_loaded, failures
+
+    def _on_all_servers(self, what: str, call: Callable[[SGLangClient], None]) -> None:
+        self._raise_failures(what, [self._pool.submit(call, c) for c in self.clients])
+
+    def _raise_failures(self, what: str, futures: list[Future]) -> None:
+        failures = _failures(self.clients, futures)
+        if failures:
+            raise WeightSyncError(f"{what} failed:\n" + "\n".join(failures))
+
+    def close(self) -> None:
+        """Destroy the group on every server and here; safe to call twice.
+
+        Raises:
+            WeightSyncError: naming servers that failed to destroy their side (the local side
+                and the thread pool are released regardless).
+        """
+        try:
+            if self._group is not None:
+                self._on_all_servers(
+                    "destroy_weights_update_group",
+                    lambda c: c.destroy_weights_update_group(self.group_name),
+                )
+        finally:
+            if self._group is not None:
+                self._group.destroy()
+                self._group = None
+            self._pool.shutdown(wait=True)
+
+
+def _failures(clients: Sequence[SGLangClient], futures: Sequence[Future]) -> list[str]:
+    """Wait for every future; one line per failed server."""
+    lines = []
+    for client, future in zip(clients, futures, strict=True):
+        try:
+            future.result()
+        except Exception as e:
+            lines.append(f"  {client.base_url}: {e}")
+    return lines
+
+
+def _buckets(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Consecutive groups of at most ``bucket_bytes`` bytes (a bigger tensor alone), lazily."""
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, tensor in named_tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+    if bucket:
+        yield bucket
