@@ -30,8 +30,13 @@ def _warm_start(args: argparse.Namespace) -> int:
     from megatron_sat.training.warm_start import WarmStartConfig, warm_start
 
     cfg = WarmStartConfig(
-        model_config=args.model_config, train_path=args.train_path, out_dir=args.out_dir,
-        num_steps=args.num_steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
+        model_config=args.model_config,
+        train_path=args.train_path,
+        out_dir=args.out_dir,
+        num_steps=args.num_steps,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        seed=args.seed,
     )
     print(f"warm start written to {warm_start(cfg)}")
     return 0
@@ -48,8 +53,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["serve"]:
         return _serve(argv[1:])
-    parser = argparse.ArgumentParser(prog="megatron-sat", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="megatron-sat",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="RL training")
     train.add_argument("--config", help="YAML run config (see examples/configs)")

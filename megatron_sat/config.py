@@ -72,8 +72,15 @@ class RolloutConfig:
     eval_samples_per_prompt: int = 4
 
     def __post_init__(self) -> None:
-        _positive("rollout", self, "prompts_per_step", "group_size", "max_new_tokens",
-                  "update_weights_interval", "eval_samples_per_prompt")
+        _positive(
+            "rollout",
+            self,
+            "prompts_per_step",
+            "group_size",
+            "max_new_tokens",
+            "update_weights_interval",
+            "eval_samples_per_prompt",
+        )
         if self.group_size < 2:
             raise ValueError("rollout.group_size must be >= 2 for group advantages")
         if self.temperature <= 0:
@@ -147,8 +154,25 @@ def _build(cls: type, values: dict[str, Any], prefix: str):
         elif isinstance(value, list) and str(known[name].type).startswith("tuple"):
             kwargs[name] = tuple(value)
         else:
-            kwargs[name] = value
+            kwargs[name] = _coerce(value, str(known[name].type), prefix + name)
     return cls(**kwargs)
+
+
+def _coerce(value: Any, type_name: str, where: str) -> Any:
+    """Scalars as their field's type: YAML reads ``3e-4`` as a string, ``1`` as an int."""
+    base = type_name.removesuffix(" | None")
+    if value is None or base not in ("float", "int", "bool"):
+        return value
+    try:
+        if base == "float" and not isinstance(value, bool):
+            return float(value)
+        if base == "int" and not isinstance(value, bool) and float(value) == int(float(value)):
+            return int(float(value))
+        if base == "bool" and isinstance(value, bool):
+            return value
+    except (TypeError, ValueError):
+        pass
+    raise ValueError(f"config field {where} must be {base}, got {value!r}")
 
 
 def _set_path(tree: dict[str, Any], dotted: str, value: Any) -> None:

@@ -41,8 +41,13 @@ def make_tiny_checkpoint(path: Path, seed: int = 0, **overrides) -> Path:
     from megatron_sat.rollout.tokenizer import build_char_tokenizer
 
     tokenizer = build_char_tokenizer()
-    cfg = dict(TINY_CONFIG, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
-               eos_token_id=tokenizer.eos_token_id, **overrides)
+    cfg = dict(
+        TINY_CONFIG,
+        vocab_size=len(tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        **overrides,
+    )
     torch.manual_seed(seed)
     model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**cfg))
     # transformers initialises some weights (norms) to constants; randomise everything so a

@@ -62,8 +62,9 @@ def test_hf_round_trip_is_bitwise(mcore_model, tiny_checkpoint, tiny_hf_config, 
     assert sorted(exported) == sorted(original)
     for name, tensor in original.items():
         assert torch.equal(exported[name], tensor), name
-    out = save_model_as_hf(mcore_model, tiny_hf_config, tmp_path / "out",
-                           tokenizer_dir=tiny_checkpoint)
+    out = save_model_as_hf(
+        mcore_model, tiny_hf_config, tmp_path / "out", tokenizer_dir=tiny_checkpoint
+    )
     reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     assert torch.equal(reloaded.lm_head.weight, original["lm_head.weight"])
     with pytest.raises(FileExistsError):
@@ -87,6 +88,8 @@ def test_unknown_and_missing_tensors_are_named(mcore_model, tiny_checkpoint, tin
     extra = dict(tensors, **{"model.layers.0.mlp.shared_expert.weight": torch.zeros(1)})
     with pytest.raises(ValueError, match="model.layers.0.mlp.shared_expert.weight"):
         hf_to_mcore(extra, names, tiny_hf_config)
-    missing = {k: v for k, v in tensors.items() if k != "model.layers.1.mlp.experts.3.up_proj.weight"}
+    missing = {
+        k: v for k, v in tensors.items() if k != "model.layers.1.mlp.experts.3.up_proj.weight"
+    }
     with pytest.raises(ValueError, match=r"missing \['model.layers.1.mlp.experts.3.up_proj.weight"):
         hf_to_mcore(missing, names, tiny_hf_config)

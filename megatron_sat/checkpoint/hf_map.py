@@ -23,26 +23,29 @@ from typing import Any
 import torch
 
 _L = r"decoder\.layers\.(?P<l>\d+)\."
+# Local spec: experts.local_experts.{e}.linear_fcN.weight; TE spec: experts.linear_fcN.weight{e}.
+_EXPERT = r"mlp\.experts\.(local_experts\.(?P<e>\d+)\.{fc}\.weight|{fc}\.weight(?P<e2>\d+))"
 # (megatron-core pattern, HF template); {l} layer, {e} global expert id.
 _DIRECT: list[tuple[str, str]] = [
     (r"embedding\.word_embeddings\.weight", "model.embed_tokens.weight"),
     (r"output_layer\.weight", "lm_head.weight"),
     (r"decoder\.final_layernorm\.weight", "model.norm.weight"),
-    (_L + r"(input_layernorm\.weight|self_attention\.linear_qkv\.layer_norm_weight)",
-     "model.layers.{l}.input_layernorm.weight"),
+    (
+        _L + r"(input_layernorm\.weight|self_attention\.linear_qkv\.layer_norm_weight)",
+        "model.layers.{l}.input_layernorm.weight",
+    ),
     (_L + r"self_attention\.linear_proj\.weight", "model.layers.{l}.self_attn.o_proj.weight"),
     (_L + r"self_attention\.q_layernorm\.weight", "model.layers.{l}.self_attn.q_norm.weight"),
     (_L + r"self_attention\.k_layernorm\.weight", "model.layers.{l}.self_attn.k_norm.weight"),
-    (_L + r"(pre_mlp_layernorm\.weight|mlp\.linear_fc1\.layer_norm_weight)",
-     "model.layers.{l}.post_attention_layernorm.weight"),
+    (
+        _L + r"(pre_mlp_layernorm\.weight|mlp\.linear_fc1\.layer_norm_weight)",
+        "model.layers.{l}.post_attention_layernorm.weight",
+    ),
     (_L + r"mlp\.router\.weight", "model.layers.{l}.mlp.gate.weight"),
-    (_L + r"mlp\.experts\.(local_experts\.(?P<e>\d+)\.linear_fc2\.weight|linear_fc2\.weight(?P<e2>\d+))",
-     "model.layers.{l}.mlp.experts.{e}.down_proj.weight"),
+    (_L + _EXPERT.format(fc="linear_fc2"), "model.layers.{l}.mlp.experts.{e}.down_proj.weight"),
 ]
 _QKV = re.compile(_L + r"self_attention\.linear_qkv\.weight")
-_FC1 = re.compile(
-    _L + r"mlp\.experts\.(local_experts\.(?P<e>\d+)\.linear_fc1\.weight|linear_fc1\.weight(?P<e2>\d+))"
-)
+_FC1 = re.compile(_L + _EXPERT.format(fc="linear_fc1"))
 _DIRECT_RE = [(re.compile(p), t) for p, t in _DIRECT]
 
 
@@ -76,8 +79,11 @@ def merge_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hf_config: Mapp
     per_group, groups, d = _qkv_dims(hf_config)
     hidden = q.shape[-1]
     w = torch.cat(
-        [q.reshape(groups, per_group * d, hidden), k.reshape(groups, d, hidden),
-         v.reshape(groups, d, hidden)],
+        [
+            q.reshape(groups, per_group * d, hidden),
+            k.reshape(groups, d, hidden),
+            v.reshape(groups, d, hidden),
+        ],
         dim=1,
     )
     return w.reshape(-1, hidden)
@@ -191,4 +197,3 @@ def hf_to_mcore(
             f"{' ...' if len(unused) > 8 else ''}"
         )
     return out
-

@@ -97,7 +97,9 @@ def transformer_config_from_hf(
         num_attention_heads=num_heads,
         num_query_groups=int(hf_config.get("num_key_value_heads", num_heads)),
         kv_channels=int(hf_config.get("head_dim") or hidden // num_heads),
-        ffn_hidden_size=int(hf_config.get("intermediate_size") or hf_config["moe_intermediate_size"]),
+        ffn_hidden_size=int(
+            hf_config.get("intermediate_size") or hf_config["moe_intermediate_size"]
+        ),
         num_moe_experts=num_experts_of(hf_config),
         moe_router_topk=int(hf_config["num_experts_per_tok"]),
         moe_ffn_hidden_size=int(hf_config["moe_intermediate_size"]),

@@ -178,8 +178,8 @@ class _CpuTorch:
 
 def _patch_literal_cuda_tensors() -> None:
     # Literal device="cuda" tensors in the optimizer (found_inf, _scale), clip_grads, the DDP
-    # grad buffers, the pipeline schedules (total_num_tokens) and the local multi-tensor ops: each module gets a `torch`
-    # whose factories put those tensors on the CPU.
+    # grad buffers, the pipeline schedules (total_num_tokens) and the local multi-tensor ops:
+    # each module gets a `torch` whose factories put those tensors on the CPU.
     import importlib
 
     for module in (

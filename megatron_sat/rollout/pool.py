@@ -89,7 +89,10 @@ class RolloutPool:
             ValueError: for a non-integer weight version.
         """
         sampling = SamplingParams(
-            temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            max_new_tokens=max_new_tokens,
             stop_token_ids=self.stop_token_ids,
         )
         prompts = [self.tokenizer.encode(r.prompt) for r in records]
@@ -101,22 +104,29 @@ class RolloutPool:
             if not shard:
                 return []
             outputs = client.generate([ids for _, ids in shard], sampling, routing=routing)
-            return [(g, ids, out, client.base_url) for (g, ids), out in zip(shard, outputs,
-                                                                           strict=True)]
+            return [
+                (g, ids, out, client.base_url) for (g, ids), out in zip(shard, outputs, strict=True)
+            ]
 
         results = [
             item
-            for future in [self._executor.submit(run, c, s) for c, s in zip(self.clients, shards,
-                                                                             strict=True)]
+            for future in [
+                self._executor.submit(run, c, s) for c, s in zip(self.clients, shards, strict=True)
+            ]
             for item in future.result()
         ]
         results.sort(key=lambda item: item[0])  # stable: groups contiguous, in record order
         group_ids = [next(self._next_group) for _ in records]
-        return [self._to_sample(records[g], group_ids[g], ids, out, url)
-                for g, ids, out, url in results]
+        return [
+            self._to_sample(records[g], group_ids[g], ids, out, url) for g, ids, out, url in results
+        ]
 
     def _to_sample(
-        self, record: PromptRecord, group: int, prompt_ids: list[int], out: GenerateOutput,
+        self,
+        record: PromptRecord,
+        group: int,
+        prompt_ids: list[int],
+        out: GenerateOutput,
         url: str,
     ) -> Sample:
         version = parse_weight_version(out.weight_version, url)

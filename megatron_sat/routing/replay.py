@@ -53,9 +53,7 @@ def _check_target(layer: int, target: torch.Tensor, router: torch.nn.Module) -> 
 
 
 @contextlib.contextmanager
-def replay_routing(
-    model: torch.nn.Module, targets: Mapping[int, torch.Tensor]
-) -> Iterator[None]:
+def replay_routing(model: torch.nn.Module, targets: Mapping[int, torch.Tensor]) -> Iterator[None]:
     """Replay ``targets`` in every MoE router of ``model`` for the forward (and backward) inside.
 
     Args:
@@ -82,8 +80,9 @@ def replay_routing(
         )
     for layer, router in routers.items():
         if router.router_replay is None:
-            raise ValueError(f"router of layer {layer} has no RouterReplay: set "
-                             "moe_enable_routing_replay=True")
+            raise ValueError(
+                f"router of layer {layer} has no RouterReplay: set moe_enable_routing_replay=True"
+            )
         if router.config.moe_router_fusion:
             raise ValueError("moe_router_fusion=True skips routing replay; turn it off for R3")
         _check_target(layer, targets[layer], router)

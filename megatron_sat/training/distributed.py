@@ -30,8 +30,11 @@ class ParallelConfig:
     expert_model_parallel_size: int = 1
 
     def __post_init__(self) -> None:
-        for field in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
-                      "expert_model_parallel_size"):
+        for field in (
+            "tensor_model_parallel_size",
+            "pipeline_model_parallel_size",
+            "expert_model_parallel_size",
+        ):
             if getattr(self, field) < 1:
                 raise ValueError(f"parallel.{field} must be >= 1, got {getattr(self, field)}")
 
@@ -66,7 +69,9 @@ def init_distributed(parallel: ParallelConfig, seed: int = 1234) -> None:
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
     ep = parallel.expert_model_parallel_size
     if world % (tp * pp) or world % (ep * pp):
-        raise ValueError(f"world size {world} is not divisible by TP*PP={tp * pp} and EP*PP={ep * pp}")
+        raise ValueError(
+            f"world size {world} is not divisible by TP*PP={tp * pp} and EP*PP={ep * pp}"
+        )
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=tp,

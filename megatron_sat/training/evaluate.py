@@ -39,15 +39,19 @@ def evaluate(
         ``eval/avg_at_k_stderr``, ``eval/pass_at_k`` (fraction of prompts with any correct
         sample), ``eval/num_prompts``.
     """
-    greedy = pool.generate_groups(records, 1, temperature=0.0, max_new_tokens=max_new_tokens,
-                                  with_routing=False)
-    sampled = pool.generate_groups(records, samples_per_prompt, temperature=temperature,
-                                   max_new_tokens=max_new_tokens, with_routing=False)
+    greedy = pool.generate_groups(
+        records, 1, temperature=0.0, max_new_tokens=max_new_tokens, with_routing=False
+    )
+    sampled = pool.generate_groups(
+        records,
+        samples_per_prompt,
+        temperature=temperature,
+        max_new_tokens=max_new_tokens,
+        with_routing=False,
+    )
     acc, acc_se = mean_and_stderr([s.reward for s in greedy])
     k = samples_per_prompt
-    per_prompt = [
-        sum(s.reward for s in sampled[i : i + k]) / k for i in range(0, len(sampled), k)
-    ]
+    per_prompt = [sum(s.reward for s in sampled[i : i + k]) / k for i in range(0, len(sampled), k)]
     avg, avg_se = mean_and_stderr(per_prompt)
     return {
         "eval/acc_greedy": acc,

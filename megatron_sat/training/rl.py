@@ -38,11 +38,14 @@ def rollout_clients(cfg: RunConfig) -> Iterator[list[SGLangClient]]:
         return
     with contextlib.ExitStack() as stack:
         servers = [
-            stack.enter_context(EmbeddedServer(
-                cfg.init_checkpoint, random_seed=cfg.train.seed + i,
-                enable_return_routed_experts=True,
-                max_running_requests=cfg.rollout.prompts_per_step * cfg.rollout.group_size,
-            ))
+            stack.enter_context(
+                EmbeddedServer(
+                    cfg.init_checkpoint,
+                    random_seed=cfg.train.seed + i,
+                    enable_return_routed_experts=True,
+                    max_running_requests=cfg.rollout.prompts_per_step * cfg.rollout.group_size,
+                )
+            )
             for i in range(cfg.rollout.num_embedded_servers)
         ]
         yield [SGLangClient(server.url) for server in servers]
@@ -78,16 +81,25 @@ def run_rl(cfg: RunConfig) -> dict:
     eval_records = load_prompt_dataset(cfg.data.eval_path, tokenizer=tokenizer)
     eval_records = eval_records[: cfg.data.num_eval_prompts]
     hf_config = read_hf_config(cfg.init_checkpoint)
-    trainer = PolicyTrainer(hf_config, cfg.train, cfg.parallel,
-                            pad_token_id=tokenizer.pad_token_id, load_from=cfg.init_checkpoint)
+    trainer = PolicyTrainer(
+        hf_config,
+        cfg.train,
+        cfg.parallel,
+        pad_token_id=tokenizer.pad_token_id,
+        load_from=cfg.init_checkpoint,
+    )
     num_layers, top_k, num_experts = trainer.routing_shape
     ro = cfg.rollout
     prompts = prompt_stream(train_records, cfg.train.seed)
     t_start = time.time()
     with rollout_clients(cfg) as clients, RunLogger(run_dir) as logger:
-        pool = RolloutPool(clients, tokenizer, math_reward,
-                           routing=RoutingSpec(num_layers, top_k, num_experts),
-                           stop_token_ids=[tokenizer.eos_token_id])
+        pool = RolloutPool(
+            clients,
+            tokenizer,
+            math_reward,
+            routing=RoutingSpec(num_layers, top_k, num_experts),
+            stop_token_ids=[tokenizer.eos_token_id],
+        )
         updater = WeightUpdater(clients)
         updater.connect()
         version = 0
@@ -95,8 +107,13 @@ def run_rl(cfg: RunConfig) -> dict:
         updater.update(trainer.hf_tensors(), weight_version=str(version))
 
         def run_eval() -> dict[str, float]:
-            return evaluate(pool, eval_records, samples_per_prompt=ro.eval_samples_per_prompt,
-                            temperature=ro.eval_temperature, max_new_tokens=ro.max_new_tokens)
+            return evaluate(
+                pool,
+                eval_records,
+                samples_per_prompt=ro.eval_samples_per_prompt,
+                temperature=ro.eval_temperature,
+                max_new_tokens=ro.max_new_tokens,
+            )
 
         initial = run_eval()
         logger.log(0, initial)
@@ -105,28 +122,39 @@ def run_rl(cfg: RunConfig) -> dict:
             t0 = time.time()
             records = [next(prompts) for _ in range(ro.prompts_per_step)]
             samples = pool.generate_groups(
-                records, ro.group_size, temperature=ro.temperature, top_p=ro.top_p,
-                top_k=ro.top_k, max_new_tokens=ro.max_new_tokens,
+                records,
+                ro.group_size,
+                temperature=ro.temperature,
+                top_p=ro.top_p,
+                top_k=ro.top_k,
+                max_new_tokens=ro.max_new_tokens,
             )
             t_gen = time.time() - t0
             rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
             advantages = compute_grpo_advantages(rewards, ro.group_size)
             metrics = batch_metrics(samples, version)
-            metrics.update({f"train/{k}": v for k, v in
-                            trainer.rl_step(samples, advantages, cfg.objective).items()})
+            metrics.update(
+                {
+                    f"train/{k}": v
+                    for k, v in trainer.rl_step(samples, advantages, cfg.objective).items()
+                }
+            )
             version += 1
             t_sync = 0.0
             if version % ro.update_weights_interval == 0:
                 t1 = time.time()
                 updater.update(trainer.hf_tensors(), weight_version=str(version))
                 t_sync = time.time() - t1
-            metrics.update({"time/generate_s": t_gen, "time/sync_s": t_sync,
-                            "time/step_s": time.time() - t0})
+            metrics.update(
+                {"time/generate_s": t_gen, "time/sync_s": t_sync, "time/step_s": time.time() - t0}
+            )
             if step % cfg.train.eval_every == 0 or step == cfg.train.num_steps:
                 metrics.update(run_eval())
             logger.log(step, metrics)
-            progress.set_postfix(reward=f"{metrics['rollout/reward']:.3f}",
-                                 acc=f"{metrics.get('eval/acc_greedy', float('nan')):.3f}")
+            progress.set_postfix(
+                reward=f"{metrics['rollout/reward']:.3f}",
+                acc=f"{metrics.get('eval/acc_greedy', float('nan')):.3f}",
+            )
         final = {k: v for k, v in metrics.items() if k.startswith("eval/")}
         updater.close()
         pool.close()
@@ -137,8 +165,9 @@ def run_rl(cfg: RunConfig) -> dict:
     return summary
 
 
-def make_summary(cfg: RunConfig, initial: dict, final: dict, run_dir: Path,
-                 checkpoint: Path, seconds: float) -> dict:
+def make_summary(
+    cfg: RunConfig, initial: dict, final: dict, run_dir: Path, checkpoint: Path, seconds: float
+) -> dict:
     """Held-out accuracy before/after RL with its noise, and the run's mean mismatch."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train_rows = [r for r in rows if "train/mismatch_abs_logratio" in r]
@@ -147,15 +176,22 @@ def make_summary(cfg: RunConfig, initial: dict, final: dict, run_dir: Path,
         values = [r[key] for r in train_rows if r.get(key) is not None]
         return sum(values) / len(values) if values else None
 
-    out = {"objective": cfg.objective.name, "use_r3": cfg.train.use_r3,
-           "update_weights_interval": cfg.rollout.update_weights_interval,
-           "num_steps": cfg.train.num_steps, "wall_time_s": round(seconds, 1)}
+    out = {
+        "objective": cfg.objective.name,
+        "use_r3": cfg.train.use_r3,
+        "update_weights_interval": cfg.rollout.update_weights_interval,
+        "num_steps": cfg.train.num_steps,
+        "wall_time_s": round(seconds, 1),
+    }
     for key in ("acc_greedy", "avg_at_k"):
         before, after = initial[f"eval/{key}"], final[f"eval/{key}"]
         noise = (initial[f"eval/{key}_stderr"] ** 2 + final[f"eval/{key}_stderr"] ** 2) ** 0.5
         out[key] = {
-            "warm_start": before, "after_rl": after, "gain": after - before,
-            "noise_2se": 2 * noise, "gain_beyond_noise": after - before > 2 * noise,
+            "warm_start": before,
+            "after_rl": after,
+            "gain": after - before,
+            "noise_2se": 2 * noise,
+            "gain_beyond_noise": after - before > 2 * noise,
         }
     out.update(
         mismatch_abs_logratio_mean=mean("train/mismatch_abs_logratio"),
@@ -163,8 +199,11 @@ def make_summary(cfg: RunConfig, initial: dict, final: dict, run_dir: Path,
         topk_match_live_mean=mean("train/topk_match_live"),
         topk_match_r3_mean=mean("train/topk_match_r3"),
         num_eval_prompts=int(initial["eval/num_prompts"]),
-        noise_method=("2 x standard error of the difference of two means over held-out "
-                      "prompts (binomial for greedy accuracy; per-prompt avg@k for sampling)"),
-        checkpoint=str(checkpoint), run_dir=str(run_dir),
+        noise_method=(
+            "2 x standard error of the difference of two means over held-out "
+            "prompts (binomial for greedy accuracy; per-prompt avg@k for sampling)"
+        ),
+        checkpoint=str(checkpoint),
+        run_dir=str(run_dir),
     )
     return out

@@ -41,11 +41,19 @@ class PolicyTrainer:
     """
 
     def __init__(
-        self, hf_config: dict, train: TrainConfig, parallel: ParallelConfig,
-        *, pad_token_id: int, load_from: str | Path | None,
+        self,
+        hf_config: dict,
+        train: TrainConfig,
+        parallel: ParallelConfig,
+        *,
+        pad_token_id: int,
+        load_from: str | Path | None,
     ) -> None:
-        if (parallel.tensor_model_parallel_size, parallel.expert_model_parallel_size,
-                parallel.pipeline_model_parallel_size) != (1, 1, 1):
+        if (
+            parallel.tensor_model_parallel_size,
+            parallel.expert_model_parallel_size,
+            parallel.pipeline_model_parallel_size,
+        ) != (1, 1, 1):
             raise ValueError("parallel: the trainer currently supports TP = EP = PP = 1 only")
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -60,19 +68,29 @@ class PolicyTrainer:
             load_hf_into_model(model, load_from)
         self.model = DistributedDataParallel(
             self.config,
-            DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=False),
+            DistributedDataParallelConfig(
+                grad_reduce_in_fp32=True, use_distributed_optimizer=False
+            ),
             model,
         )
         self.optimizer = get_megatron_optimizer(
             OptimizerConfig(
-                optimizer="adam", lr=train.lr, min_lr=train.lr, weight_decay=train.weight_decay,
-                adam_beta1=train.adam_beta1, adam_beta2=train.adam_beta2,
-                clip_grad=train.clip_grad, bf16=False, fp16=False,
+                optimizer="adam",
+                lr=train.lr,
+                min_lr=train.lr,
+                weight_decay=train.weight_decay,
+                adam_beta1=train.adam_beta1,
+                adam_beta2=train.adam_beta2,
+                clip_grad=train.clip_grad,
+                bf16=False,
+                fp16=False,
             ),
             [self.model],
         )
         self.routing_shape = (
-            self.config.num_layers, self.config.moe_router_topk, self.config.num_moe_experts
+            self.config.num_layers,
+            self.config.moe_router_topk,
+            self.config.num_moe_experts,
         )
 
     # -- batches -------------------------------------------------------------------------
@@ -83,7 +101,9 @@ class PolicyTrainer:
         size = self.train_config.micro_batch_size
         return [
             build_micro_batch(
-                samples[i : i + size], advantages[i : i + size], pad_token_id=self.pad_token_id,
+                samples[i : i + size],
+                advantages[i : i + size],
+                pad_token_id=self.pad_token_id,
                 routing_shape=self.routing_shape if with_routes else None,
             )
             for i in range(0, len(samples), size)
@@ -119,20 +139,29 @@ class PolicyTrainer:
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         for mb in mbs:
-            replay = replay_routing(self.model, mb.routing_targets()) if use_r3 else (
-                contextlib.nullcontext())
+            replay = (
+                replay_routing(self.model, mb.routing_targets())
+                if use_r3
+                else (contextlib.nullcontext())
+            )
             with replay, capture_routing(self.model) as used:
                 log_probs = forward_log_probs(self.model, mb)
                 loss, mb_metrics = policy_loss(
-                    log_probs, mb.rollout_log_probs, mb.advantages, mb.loss_mask, objective,
-                    global_num_tokens=num_tokens, global_num_seqs=num_seqs,
+                    log_probs,
+                    mb.rollout_log_probs,
+                    mb.advantages,
+                    mb.loss_mask,
+                    objective,
+                    global_num_tokens=num_tokens,
+                    global_num_seqs=num_seqs,
                     sat_quantile=quantile,
                 )
                 loss.backward()
             weight = float(mb.loss_mask.sum()) / num_tokens
             total_loss += float(loss.detach())  # already divided by the batch's global denominator
             mb_metrics["topk_match_r3" if use_r3 else "topk_match_live"] = routing_agreement(
-                used, mb)["topk_match"]
+                used, mb
+            )["topk_match"]
             for key, value in mb_metrics.items():
                 metrics[key] = metrics.get(key, 0.0) + weight * float(value)
         self.model.finish_grad_sync()
@@ -175,12 +204,16 @@ class PolicyTrainer:
         self.model.eval()
         abs_d = []
         for mb in mbs:
-            replay = replay_routing(self.model, mb.routing_targets()) if (
-                self.train_config.use_r3) else contextlib.nullcontext()
+            replay = (
+                replay_routing(self.model, mb.routing_targets())
+                if (self.train_config.use_r3)
+                else contextlib.nullcontext()
+            )
             with replay:
                 log_probs = forward_log_probs(self.model, mb)
-            abs_d.append(sat_abs_staleness(log_probs, mb.rollout_log_probs, mb.loss_mask,
-                                           objective))
+            abs_d.append(
+                sat_abs_staleness(log_probs, mb.rollout_log_probs, mb.loss_mask, objective)
+            )
         return float(sat_reference_quantile(torch.cat(abs_d), objective.sat_alpha))
 
     def sft_step(self, samples: Sequence[Sample]) -> dict[str, float]:

@@ -54,9 +54,14 @@ def sft_sample(index: int, record: PromptRecord, tokenizer) -> Sample:
     """A supervised example as a :class:`Sample`: response = answer tokens + end-of-text."""
     response = tokenizer.encode(answer_text(record.label)) + [tokenizer.eos_token_id]
     return Sample(
-        index=index, group_index=index, prompt=record.prompt, label=record.label,
-        prompt_ids=tokenizer.encode(record.prompt), response_ids=response,
-        rollout_log_probs=[0.0] * len(response), response_versions=[0] * len(response),
+        index=index,
+        group_index=index,
+        prompt=record.prompt,
+        label=record.label,
+        prompt_ids=tokenizer.encode(record.prompt),
+        response_ids=response,
+        rollout_log_probs=[0.0] * len(response),
+        response_versions=[0] * len(response),
     )
 
 
@@ -69,8 +74,10 @@ def warm_start(cfg: WarmStartConfig) -> Path:
     tokenizer = build_char_tokenizer()
     hf_config = json.loads(Path(cfg.model_config).read_text())
     hf_config.update(
-        vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
+        vocab_size=len(tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
     )
     records = load_prompt_dataset(cfg.train_path)
     train = TrainConfig(lr=cfg.lr, micro_batch_size=cfg.batch_size, seed=cfg.seed, use_r3=False)
@@ -80,7 +87,7 @@ def warm_start(cfg: WarmStartConfig) -> Path:
     rng = random.Random(cfg.seed)
     order: list[int] = []
     progress = tqdm(range(cfg.num_steps), desc="warm start", unit="step")
-    for step in progress:
+    for _ in progress:
         if len(order) < cfg.batch_size:
             order += rng.sample(range(len(records)), len(records))
         batch, order = order[: cfg.batch_size], order[cfg.batch_size :]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -64,7 +65,9 @@ class WeightUpdater:
         clients: one client per server.
         master_address: the trainer's address as the servers see it.
         master_port: TCPStore port; None lets the OS choose.
-        group_name: name of the group on every server.
+        group_name: name of the group on every server; default a fresh
+            ``megatron_sat_weights_<hex>``, since torch registers group names per process and
+            two updaters in one process must not share one.
         backend: "gloo" (CPU tensors) or "nccl" (CUDA tensors).
         bucket_bytes: bucket size limit, bytes.
         ranks_per_server: group ranks each server takes (its TP size for SGLang); default 1.
@@ -77,7 +80,7 @@ class WeightUpdater:
         clients: Sequence[SGLangClient],
         master_address: str = "127.0.0.1",
         master_port: int | None = None,
-        group_name: str = "megatron_sat_weights",
+        group_name: str | None = None,
         backend: str = "gloo",
         bucket_bytes: int = 512 * 2**20,
         *,
@@ -97,7 +100,7 @@ class WeightUpdater:
         self.clients = list(clients)
         self.master_address = master_address
         self.master_port = master_port
-        self.group_name = group_name
+        self.group_name = group_name or f"megatron_sat_weights_{uuid.uuid4().hex[:8]}"
         self.backend = backend
         self.bucket_bytes = bucket_bytes
         self.pause_mode = pause_mode
