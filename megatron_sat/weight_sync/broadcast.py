@@ -48,7 +48,8 @@ class WeightUpdater:
        larger tensor travels alone). Per bucket, ``/update_weights_from_distributed`` with
        ``names``, ``dtypes`` ("float32", "bfloat16", ...), ``shapes`` and ``group_name`` is posted
        to every server concurrently while rank 0 broadcasts each tensor of the bucket, in
-       order, with its own dtype; then every reply is awaited. Only the final bucket carries
+       order, with its own dtype (by default flattened into one uint8 broadcast per bucket,
+       SGLang's ``flattened_bucket``); then every reply is awaited. Only the final bucket carries
        ``weight_version`` (and ``flush_cache=True``), so a server's version changes only once
        all of its buckets loaded.
     3. ``/continue_generation`` on every server.
@@ -73,6 +74,8 @@ class WeightUpdater:
         ranks_per_server: group ranks each server takes (its TP size for SGLang); default 1.
         pause_mode: SGLang pause mode used in step 1.
         timeout_s: rendezvous and broadcast timeout, seconds.
+        flatten_buckets: send each bucket as one uint8 broadcast (``load_format=
+            "flattened_bucket"``, as SGLang) instead of one broadcast per tensor.
     """
 
     def __init__(
@@ -87,6 +90,7 @@ class WeightUpdater:
         ranks_per_server: Sequence[int] | None = None,
         pause_mode: str = "retract",
         timeout_s: float = 600.0,
+        flatten_buckets: bool = True,
     ) -> None:
         if not clients:
             raise ValueError("clients must not be empty")
@@ -105,6 +109,7 @@ class WeightUpdater:
         self.bucket_bytes = bucket_bytes
         self.pause_mode = pause_mode
         self.timeout_s = timeout_s
+        self.flatten_buckets = flatten_buckets
         self.world_size = 1 + sum(self.ranks_per_server)
         self._pool = ThreadPoolExecutor(len(self.clients), thread_name_prefix="weight_sync")
         self._group: WeightUpdateGroup | None = None
@@ -239,6 +244,7 @@ class WeightUpdater:
         else:
             device = torch.device("cpu")
         tensors = [t.detach().to(device).contiguous() for _, t in bucket]
+        load_format = "flattened_bucket" if self.flatten_buckets else None
         futures = [
             self._pool.submit(
                 c.update_weights_from_distributed,
@@ -248,13 +254,20 @@ class WeightUpdater:
                 group_name=self.group_name,
                 weight_version=weight_version,
                 flush_cache=weight_version is not None,
+                load_format=load_format,
             )
             for c in self.clients
         ]
         broadcast_error = None
         try:
-            for tensor in tensors:
-                self._group.broadcast(tensor, src=0)
+            if self.flatten_buckets:
+                # One collective per bucket: many small broadcasts cost far more than their
+                # bytes (SGLang's flattened_bucket: each tensor's bytes, in order, as uint8).
+                flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors])
+                self._group.broadcast(flat, src=0)
+            else:
+                for tensor in tensors:
+                    self._group.broadcast(tensor, src=0)
         except RuntimeError as e:  # gloo/nccl timeout or a peer that went away
             broadcast_error = e
         failures = _failures(self.clients, futures)

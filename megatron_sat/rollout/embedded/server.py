@@ -25,9 +25,10 @@ Deliberate differences from SGLang, each loud rather than silent:
 Failed weight updates (the protocol, chosen so that no side can hang): the handler validates the
 whole request before touching the group. (1) If the request cannot even describe the tensors to
 receive (unknown ``group_name``, ``names``/``dtypes``/``shapes`` of different lengths, an unknown
-dtype, a negative dimension, an unsupported ``load_format``) it answers HTTP 400 at once
-without joining the broadcast; a sender that builds its metadata from real tensors (our
-WeightUpdater) never produces these, and the group's timeout bounds anyone else's wait.
+dtype, a negative dimension, a ``load_format`` other than null or ``flattened_bucket``) it
+answers HTTP 400 at once without joining the broadcast; a sender that builds its metadata from
+real tensors (our WeightUpdater) never produces these, and the group's timeout bounds anyone
+else's wait.
 (2) If the metadata is well formed but does not match the model (unknown parameter name, wrong
 shape or dtype), it still receives every declared tensor into scratch buffers -- so the
 sender's broadcasts complete and the group stays in step for the next request -- then answers
@@ -42,6 +43,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 import secrets
 import threading
 import time
@@ -62,6 +64,7 @@ from megatron_sat.routing.payload import encode_routed_experts
 from megatron_sat.weight_sync.group import WeightUpdateGroup, create_weight_update_group
 
 logger = logging.getLogger("megatron_sat.embedded")
+LOAD_FORMATS = (None, "flattened_bucket")
 
 # Top-level /generate fields we honour, and those we accept only at SGLang's default value.
 _GENERATE_FIELDS = {
@@ -327,8 +330,8 @@ class ServerState:
         group_name = body.get("group_name", "weight_update_group")
         if group_name not in self.groups:
             return f"group {group_name!r} not initialized; call /init_weights_update_group", [], []
-        if body.get("load_format") is not None:
-            return f"load_format={body['load_format']!r} is not supported (only null)", [], []
+        if body.get("load_format") not in LOAD_FORMATS:
+            return f"load_format={body['load_format']!r} is not supported {LOAD_FORMATS}", [], []
         names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
         if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)):
             return "names, dtypes and shapes must be lists", [], []
@@ -359,11 +362,14 @@ class ServerState:
         """Receive every declared tensor (src rank 0), then load them unless any mismatched."""
         group = self.groups[body.get("group_name", "weight_update_group")]
         with self.scheduler.model_lock:
-            buffers = [torch.empty(shape, dtype=dtype) for _, dtype, shape in specs]
             try:
-                works = [group.broadcast(buf, src=0, async_op=True) for buf in buffers]
-                for work in works:
-                    work.wait()
+                if body.get("load_format") == "flattened_bucket":
+                    buffers = _receive_flattened(group, specs)
+                else:
+                    buffers = [torch.empty(shape, dtype=dtype) for _, dtype, shape in specs]
+                    works = [group.broadcast(buf, src=0, async_op=True) for buf in buffers]
+                    for work in works:
+                        work.wait()
             except RuntimeError as e:  # timeout or a sender that went away; nothing loaded
                 return False, f"broadcast failed, no weight loaded (group may be unusable): {e!r}"
             if mismatches:
@@ -372,6 +378,21 @@ class ServerState:
             if body.get("weight_version") is not None:
                 self.scheduler.weight_version = str(body["weight_version"])
         return True, "Succeeded to update parameter online."
+
+
+def _receive_flattened(group, specs) -> list[torch.Tensor]:
+    """SGLang's ``flattened_bucket``: one uint8 broadcast holding every tensor's bytes in order
+    (sglang ``srt/weight_sync/tensor_bucket.py``); returns views of it, one per spec."""
+    sizes = [
+        math.prod(shape) * torch.empty((), dtype=dtype).element_size() for _, dtype, shape in specs
+    ]
+    flat = torch.empty(sum(sizes), dtype=torch.uint8)
+    group.broadcast(flat, src=0)
+    out, start = [], 0
+    for (_, dtype, shape), size in zip(specs, sizes, strict=True):
+        out.append(flat[start : start + size].view(dtype).reshape(shape))
+        start += size
+    return out
 
 
 def create_app(state: ServerState) -> FastAPI:
