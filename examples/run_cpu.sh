@@ -10,9 +10,9 @@ source .venv/bin/activate
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}"
 if [[ ! -f data/arith/test.jsonl ]]; then
   python tools/make_arith_dataset.py --out-dir data/arith --seed 0 \
-    --num-train 20000 --num-test 500 --max-digits 2 --ops +,-
+    --num-train 15000 --num-test 500 --max-digits 2 --ops +,-
 fi
 if [[ ! -f checkpoints/warm_start/model.safetensors ]]; then
-  megatron-sat warm-start --out-dir checkpoints/warm_start --num-steps 1500 --lr 2e-3
+  megatron-sat warm-start --out-dir checkpoints/warm_start --num-steps 700 --lr 2e-3
 fi
 megatron-sat train --config examples/configs/tiny_cpu_sat_gspo_r3.yaml "$@"
