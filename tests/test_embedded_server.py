@@ -257,3 +257,24 @@ def test_weight_update_loads_other_model(client, checkpoints, spy_updater):
             torch.tensor(out.output_token_logprobs), ref_logprobs, atol=1e-5, rtol=0
         )
         np.testing.assert_array_equal(out.routed_experts, ref_routes)
+
+
+def test_sync_failing_on_second_bucket_keeps_version(client, base_model, spy_updater):
+    """Bucket 1 loads, bucket 2 is rejected: the version must not move, the servers stay
+    paused (mixed weights), and the error says so; restoring the weights resumes service."""
+    _, updater = spy_updater
+    version = client.get_weight_version()
+    norm = base_model.model.norm.weight.detach().clone()
+    big = torch.zeros(16 * 1024 // 4 + 1)  # its own bucket
+    with pytest.raises(WeightSyncError, match="stay paused"):
+        updater.update(
+            [("model.norm.weight", norm + 1.0), ("model.layers.0.mlp.unknown", big)],
+            weight_version="never",
+        )
+    assert client.get_weight_version() == version
+    updater.update([("model.norm.weight", norm)], weight_version=version)
+    (out,) = client.generate(PROMPTS[0], SamplingParams(max_new_tokens=3))
+    ref_logprobs, _, _ = _full_forward(base_model, PROMPTS[0], out.output_ids, 1.0)
+    torch.testing.assert_close(
+        torch.tensor(out.output_token_logprobs), ref_logprobs, atol=1e-4, rtol=0
+    )
