@@ -4,16 +4,27 @@ Subcommands:
   train        RL with the config's objective (YAML + ``section.field=value`` overrides)
   warm-start   supervised warm start of a fresh model, written as an HF checkpoint
   serve        the embedded SGLang-compatible rollout server (CPU)
+  launch       validate the cluster plan (--dry-run) or render the torchrun / sbatch / mpirun
+               script of a config
+  eval         avg@n and pass@k of a checkpoint on a held-out set through rollout servers
+  convert      checkpoint conversion (arguments of megatron_sat.checkpoint.convert)
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
 def _train(args: argparse.Namespace) -> int:
     from megatron_sat.config import load_config
+    from megatron_sat.launch.env import resolve_rank_env
+
+    source = resolve_rank_env(os.environ)  # mpirun: OMPI_COMM_WORLD_* -> RANK, WORLD_SIZE, ...
+    if source != "single":
+        rank, world = os.environ["RANK"], os.environ["WORLD_SIZE"]
+        print(f"megatron-sat train: rank {rank} of {world} (from {source})", file=sys.stderr)
     from megatron_sat.training.rl import run_rl
 
     cfg = load_config(args.config, args.overrides)
@@ -48,11 +59,72 @@ def _serve(argv: list[str]) -> int:
     return server.main(argv) or 0
 
 
+def _convert(argv: list[str]) -> int:
+    from megatron_sat.checkpoint import convert
+
+    return convert.main(argv) or 0
+
+
+def _launch(args: argparse.Namespace) -> int:
+    from megatron_sat.config import load_config
+    from megatron_sat.launch.plan import format_plan, resolve_plan
+    from megatron_sat.launch.prepare import prepare_launch
+
+    overrides = list(args.overrides)
+    if args.launcher:
+        overrides.append(f"launch.launcher={args.launcher}")
+    try:
+        cfg = load_config(args.config, overrides)
+        if args.dry_run:
+            print(format_plan(resolve_plan(cfg)))
+            print("dry run: the configuration is valid", file=sys.stderr)
+            return 0
+        prepared = prepare_launch(cfg, args.out_dir)
+    except ValueError as e:
+        print(f"megatron-sat launch: {e}", file=sys.stderr)
+        return 1
+    print(format_plan(prepared.plan), file=sys.stderr)
+    run = "sbatch" if cfg.launch.launcher == "slurm" else "bash"
+    print(
+        f"wrote {prepared.script_path}; run it with: {run} {prepared.script_path}", file=sys.stderr
+    )
+    print(prepared.script_path)
+    return 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from megatron_sat.config import load_config
+    from megatron_sat.launch.eval_job import EvalOptions, run_eval
+
+    cfg = load_config(args.config, args.overrides)
+    opts = EvalOptions(
+        data_path=args.data or cfg.data.eval_path,
+        name=args.name,
+        checkpoint=args.checkpoint,
+        num_samples=args.num_samples,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        max_new_tokens=args.max_new_tokens,
+        pass_ks=tuple(args.pass_k),
+        step=args.step,
+        num_prompts=args.num_prompts,
+        prompt_key=args.prompt_key,
+        label_key=args.label_key,
+    )
+    metrics = run_eval(cfg, opts)
+    for key, value in metrics.items():
+        print(f"{key}: {value:.4f}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse ``argv`` and run the subcommand; returns the exit status."""
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["serve"]:
         return _serve(argv[1:])
+    if argv[:1] == ["convert"]:
+        return _convert(argv[1:])
     parser = argparse.ArgumentParser(
         prog="megatron-sat",
         description=__doc__,
@@ -74,6 +146,31 @@ def main(argv: list[str] | None = None) -> int:
     ws.add_argument("--seed", type=int, default=1234)
     ws.set_defaults(func=_warm_start)
     sub.add_parser("serve", help="embedded rollout server (flags as sglang.launch_server)")
+    sub.add_parser("convert", help="checkpoint conversion (see its own --help)")
+    la = sub.add_parser("launch", help="dry-run or render the launch script of a config")
+    la.add_argument("--config", required=True, help="YAML run config with a launch section")
+    la.add_argument("--launcher", choices=["torchrun", "slurm", "mpirun"], help="override")
+    la.add_argument("--dry-run", action="store_true", help="validate and print the topology")
+    la.add_argument("--out-dir", help="launch directory (default <run_dir>/launch)")
+    la.add_argument("overrides", nargs="*", help="section.field=value overrides")
+    la.set_defaults(func=_launch)
+    ev = sub.add_parser("eval", help="avg@n / pass@k on a held-out set")
+    ev.add_argument("--config", help="YAML run config (servers, checkpoint, run_dir)")
+    ev.add_argument("--data", help="held-out jsonl/parquet (default data.eval_path)")
+    ev.add_argument("--name", help="metric prefix (default: the data file's stem)")
+    ev.add_argument("--checkpoint", help="HF checkpoint to serve (default init_checkpoint)")
+    ev.add_argument("--num-samples", type=int, default=16, help="samples per problem (n)")
+    ev.add_argument("--temperature", type=float, default=1.0)
+    ev.add_argument("--top-p", type=float, default=1.0)
+    ev.add_argument("--top-k", type=int, default=-1, help="-1 = off")
+    ev.add_argument("--max-new-tokens", type=int, help="default rollout.max_new_tokens")
+    ev.add_argument("--pass-k", type=int, nargs="*", default=[], help="k of pass@k")
+    ev.add_argument("--step", type=int, default=0, help="TensorBoard step / weight version")
+    ev.add_argument("--num-prompts", type=int, help="first N problems only")
+    ev.add_argument("--prompt-key", help="dataset key of the prompt (e.g. problem)")
+    ev.add_argument("--label-key", help="dataset key of the answer (e.g. answer)")
+    ev.add_argument("overrides", nargs="*", help="section.field=value overrides")
+    ev.set_defaults(func=_eval)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import yaml
 
+from megatron_sat.launch.config import LaunchConfig
 from megatron_sat.objectives import ObjectiveConfig
 from megatron_sat.training.distributed import ParallelConfig
 
@@ -135,6 +136,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain-dict form (for YAML and the run directory)."""

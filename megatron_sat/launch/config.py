@@ -1,0 +1,177 @@
+"""The ``launch`` section of the run config: where the job runs and how it is started.
+
+One :class:`LaunchConfig` describes the allocation (nodes x devices), how it is split between
+trainer ranks and rollout servers, the rollout servers themselves and the launcher that starts
+everything. :func:`megatron_sat.launch.plan.resolve_plan` turns it, together with the rest of
+the :class:`~megatron_sat.config.RunConfig`, into a validated :class:`LaunchPlan`; the renderers
+write the torchrun, sbatch or mpirun script from that plan. Field checks that need only this
+section live here; checks across sections (parallel sizes against devices, batch sizes, memory)
+live in :mod:`megatron_sat.launch.plan`. Errors are ``ValueError`` naming ``launch.<field>``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+LAUNCHERS = ("torchrun", "slurm", "mpirun")
+DEVICES = ("cuda", "cpu")
+ROLLOUT_ENGINES = ("sglang", "embedded")
+PARAMS_DTYPES = ("bf16", "fp32")
+
+
+@dataclass
+class LaunchConfig:
+    """Cluster layout and launcher.
+
+    Node layout: the first ``trainer_nodes`` nodes each run ``trainer_gpus_per_node`` trainer
+    ranks on their devices ``0 .. trainer_gpus_per_node - 1``; every other device of the
+    allocation (the rest of the trainer nodes, all of the other nodes) serves rollouts, in
+    servers of ``rollout_server_tp`` devices that never span nodes. The paper's node: 8 GPUs,
+    trainer on GPUs 0-3, one SGLang server at TP 4 on GPUs 4-7.
+
+    Attributes:
+        launcher: "torchrun" (one node), "slurm" (an sbatch script; srun starts the servers and
+            one torchrun per trainer node) or "mpirun" (Open MPI starts the servers and one
+            process per trainer rank; ranks come from OMPI_COMM_WORLD_*).
+        device: "cuda" or "cpu". With "cpu", a "GPU" below means one CPU process (the small CPU
+            job and the launcher tests).
+        num_nodes: nodes in the allocation, >= 1.
+        gpus_per_node: devices per node, >= 1.
+        trainer_nodes: how many of the nodes (the first ones) run trainer ranks, >= 1.
+        trainer_gpus_per_node: trainer ranks per trainer node; default (None) all of its devices.
+        rollout_engine: "sglang" (``python -m sglang.launch_server``, GPUs) or "embedded" (this
+            package's CPU server with the same HTTP API; device "cpu" only).
+        rollout_server_tp: devices per rollout server (SGLang ``--tp-size``); 1 for embedded.
+        sglang_args: extra command-line flags for every SGLang server, e.g.
+            ``["--mem-fraction-static", "0.8"]``. ``--enable-return-routed-experts``,
+            ``--weight-version 0``, ``--tp-size``, ``--host``, ``--port`` and ``--model-path``
+            are always passed and must not be repeated here.
+        master_port: torch.distributed rendezvous TCP port on the first trainer node.
+        rollout_base_port: the k-th server of a node listens on ``rollout_base_port + k``.
+        hosts: node host names for torchrun and mpirun, in node order; empty = this machine's
+            host name (one node only). slurm reads them from ``SLURM_JOB_NODELIST``.
+        gpu_memory_gib: memory of one device, GiB; the dry-run fails when the static memory of a
+            trainer rank or of a server's weights exceeds it. Ignored (and said so) on "cpu".
+        params_dtype: trainer parameter dtype for the memory estimate: "bf16" (GPU path: bf16
+            parameters, fp32 main parameters and gradients) or "fp32" (the CPU trainer).
+        model_config: HF ``config.json`` that the dry-run reads; None = the one in
+            ``init_checkpoint`` (give a template when the checkpoint is not on this machine).
+        python: interpreter in the rendered scripts; None = the one that renders them.
+        workdir: directory the rendered scripts ``cd`` into; None = the current directory.
+        log_dir: per-node and per-server logs; None = ``<run_dir>/logs``.
+        job_name: sbatch ``--job-name``; None = the run directory's name.
+        partition, account: sbatch ``--partition`` / ``--account``; None = omitted.
+        time_limit: sbatch ``--time`` (e.g. "24:00:00"); None = omitted.
+        cpus_per_node: sbatch ``--cpus-per-task`` (one task per node); None = omitted.
+        env: environment variables exported to every process (OMP_NUM_THREADS, NCCL_*, ...).
+        server_startup_timeout_s: how long the scripts wait for every server's /health, seconds.
+    """
+
+    launcher: str = "torchrun"
+    device: str = "cuda"
+    num_nodes: int = 1
+    gpus_per_node: int = 8
+    trainer_nodes: int = 1
+    trainer_gpus_per_node: int | None = None
+    rollout_engine: str = "sglang"
+    rollout_server_tp: int = 1
+    sglang_args: list[str] = field(default_factory=list)
+    master_port: int = 29500
+    rollout_base_port: int = 30000
+    hosts: list[str] = field(default_factory=list)
+    gpu_memory_gib: float = 80.0
+    params_dtype: str = "bf16"
+    model_config: str | None = None
+    python: str | None = None
+    workdir: str | None = None
+    log_dir: str | None = None
+    job_name: str | None = None
+    partition: str | None = None
+    account: str | None = None
+    time_limit: str | None = None
+    cpus_per_node: int | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    server_startup_timeout_s: float = 1800.0
+
+    def __post_init__(self) -> None:
+        def check(ok: bool, name: str, requirement: str) -> None:
+            if not ok:
+                raise ValueError(
+                    f"launch.{name} must be {requirement}, got {getattr(self, name)!r}"
+                )
+
+        check(self.launcher in LAUNCHERS, "launcher", f"one of {LAUNCHERS}")
+        check(self.device in DEVICES, "device", f"one of {DEVICES}")
+        check(self.rollout_engine in ROLLOUT_ENGINES, "rollout_engine", f"one of {ROLLOUT_ENGINES}")
+        check(self.params_dtype in PARAMS_DTYPES, "params_dtype", f"one of {PARAMS_DTYPES}")
+        for name in ("num_nodes", "gpus_per_node", "trainer_nodes", "rollout_server_tp"):
+            check(_is_int(getattr(self, name)) and getattr(self, name) >= 1, name, "an int >= 1")
+        tg = self.trainer_gpus_per_node
+        check(tg is None or (_is_int(tg) and tg >= 1), "trainer_gpus_per_node", "None or >= 1")
+        for name in ("master_port", "rollout_base_port"):
+            port = getattr(self, name)
+            check(_is_int(port) and 1024 <= port <= 65535, name, "a port in [1024, 65535]")
+        check(self.gpu_memory_gib > 0, "gpu_memory_gib", "> 0")
+        check(self.server_startup_timeout_s > 0, "server_startup_timeout_s", "> 0")
+        cpus = self.cpus_per_node
+        check(cpus is None or (_is_int(cpus) and cpus >= 1), "cpus_per_node", "None or >= 1")
+        check(
+            self.trainer_nodes <= self.num_nodes, "trainer_nodes", f"<= num_nodes={self.num_nodes}"
+        )
+        check(
+            tg is None or tg <= self.gpus_per_node,
+            "trainer_gpus_per_node",
+            f"<= gpus_per_node={self.gpus_per_node}",
+        )
+        check(
+            not self.hosts or len(self.hosts) == self.num_nodes,
+            "hosts",
+            f"empty or one name per node ({self.num_nodes})",
+        )
+        check(
+            self.launcher != "torchrun" or self.num_nodes == 1,
+            "launcher",
+            "slurm or mpirun for num_nodes > 1 (the torchrun script starts one node)",
+        )
+        check(
+            self.rollout_engine != "embedded" or self.device == "cpu",
+            "rollout_engine",
+            "sglang on device=cuda (the embedded server runs on the CPU)",
+        )
+        check(
+            self.rollout_engine != "sglang" or self.device == "cuda",
+            "rollout_engine",
+            "embedded on device=cpu (SGLang servers need CUDA)",
+        )
+        check(
+            self.rollout_engine != "embedded" or self.rollout_server_tp == 1,
+            "rollout_server_tp",
+            "1 with the embedded engine (one process per server)",
+        )
+        for key, value in self.env.items():
+            check(
+                isinstance(key, str) and isinstance(value, (str, int, float)),
+                "env",
+                "a mapping of names to strings or numbers",
+            )
+        self.env = {k: str(v) for k, v in self.env.items()}
+        reserved = {
+            "--enable-return-routed-experts",
+            "--weight-version",
+            "--tp-size",
+            "--tp",
+            "--host",
+            "--port",
+            "--model-path",
+        }
+        clash = sorted({a.split("=")[0] for a in self.sglang_args} & reserved)
+        check(not clash, "sglang_args", f"free of the flags the launcher sets ({clash})")
+
+    @property
+    def trainer_ranks_per_node(self) -> int:
+        """Trainer ranks on each trainer node (``trainer_gpus_per_node`` or all devices)."""
+        return self.trainer_gpus_per_node or self.gpus_per_node
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -1,0 +1,488 @@
+"""The resolved launch plan: who runs where, which process groups and servers exist, and
+whether it all fits, computed from the run config alone (no GPU, no torch.distributed).
+
+:func:`resolve_plan` validates the configuration across sections and raises one
+``ValueError`` listing every problem found, each naming its config field; :func:`format_plan`
+prints the topology. The rank groups are computed exactly as megatron-core's ``RankGenerator``
+computes them (order ``tp-cp-ep-dp-pp``; tests compare against it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from megatron_sat.launch.config import LaunchConfig
+from megatron_sat.launch.memory import (
+    GIB,
+    MemoryEstimate,
+    ParameterCount,
+    count_parameters,
+    estimate_memory,
+)
+
+ORDER = ("tp", "cp", "ep", "dp", "pp")
+
+
+@dataclass(frozen=True)
+class TrainerRank:
+    """One trainer process: where it runs and its coordinate in every parallel dimension."""
+
+    rank: int
+    node: int
+    local_rank: int
+    tp: int
+    pp: int
+    dp: int
+    ep: int
+    etp: int
+    edp: int
+
+
+@dataclass(frozen=True)
+class RolloutServer:
+    """One rollout server: node index, device ids on that node, port, weight-sync group ranks."""
+
+    index: int
+    node: int
+    devices: tuple[int, ...]
+    port: int
+    sync_ranks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """Everything the renderers and the dry-run print need.
+
+    Attributes:
+        launch: the launch section it was resolved from.
+        run_name: the run directory's name.
+        model_config_path: the HF config.json that was read.
+        hf_config: its parsed content.
+        params: the model's parameter count.
+        world_size, tp, pp, ep, etp, dp, edp: trainer world and parallel sizes (CP is 1).
+        sequence_parallel: whether the trainer shards activations over TP.
+        ranks: one entry per trainer rank.
+        groups: megatron-core process groups by name (lists of global ranks).
+        servers: rollout servers the launcher starts (empty: external or trainer-started).
+        server_source: "launcher", "external" (rollout.server_urls) or "trainer" (the trainer
+            starts ``rollout.num_embedded_servers`` embedded servers itself).
+        sync_world_size: ranks of the weight-update group (trainer rank 0 + server ranks).
+        sync_backend: "nccl" or "gloo".
+        samples_per_step, micro_batches_per_dp_rank: the trainer batch.
+        memory: static memory estimate.
+        notes: assumptions the plan made, printed by the dry-run.
+    """
+
+    launch: LaunchConfig
+    run_name: str
+    model_config_path: str
+    hf_config: dict[str, Any]
+    params: ParameterCount
+    world_size: int
+    tp: int
+    pp: int
+    ep: int
+    etp: int
+    dp: int
+    edp: int
+    sequence_parallel: bool
+    ranks: list[TrainerRank]
+    groups: dict[str, list[list[int]]]
+    servers: list[RolloutServer]
+    server_source: str
+    sync_world_size: int
+    sync_backend: str
+    samples_per_step: int
+    micro_batches_per_dp_rank: int
+    memory: MemoryEstimate
+    notes: list[str]
+
+    @property
+    def trainer_nodes(self) -> list[int]:
+        """Indices of the nodes that run trainer ranks."""
+        return list(range(self.launch.trainer_nodes))
+
+
+def _decompose(index: int, sizes: list[int]) -> list[int]:
+    """Mixed-radix digits of ``index``, first size fastest (megatron-core's convention)."""
+    digits = []
+    for size in sizes:
+        digits.append(index % size)
+        index //= size
+    return digits
+
+
+def rank_groups(sizes: dict[str, int], names: tuple[str, ...]) -> list[list[int]]:
+    """Process groups over the dimensions ``names`` of a rank grid laid out in ``ORDER``.
+
+    Equivalent to megatron-core's ``RankGenerator(...).get_ranks("-".join(names))``: ranks are
+    numbered with ``tp`` fastest and ``pp`` slowest; each group holds the ranks that differ only
+    in ``names``, in increasing order of those coordinates.
+
+    Args:
+        sizes: size of every dimension of ``ORDER`` ("tp", "cp", "ep", "dp", "pp").
+        names: the dimensions a group spans.
+    """
+    dims = [sizes[d] for d in ORDER]
+    strides = [math.prod(dims[:i]) for i in range(len(dims))]
+    inside = [i for i, d in enumerate(ORDER) if d in names]
+    outside = [i for i, d in enumerate(ORDER) if d not in names]
+    groups = []
+    for o in range(math.prod(dims[i] for i in outside)):
+        base = sum(
+            c * strides[i]
+            for c, i in zip(_decompose(o, [dims[i] for i in outside]), outside, strict=True)
+        )
+        groups.append(
+            [
+                base
+                + sum(
+                    c * strides[i]
+                    for c, i in zip(_decompose(m, [dims[i] for i in inside]), inside, strict=True)
+                )
+                for m in range(math.prod(dims[i] for i in inside))
+            ]
+        )
+    return groups
+
+
+def _parallel_option(parallel: Any, name: str) -> Any:
+    """A ParallelConfig field if the trainer's ParallelConfig defines it, else None."""
+    names = {f.name for f in dataclasses.fields(parallel)}
+    return getattr(parallel, name) if name in names else None
+
+
+def read_model_config(cfg: Any) -> tuple[str, dict[str, Any]]:
+    """The HF config.json the plan uses: ``launch.model_config`` or the one in
+    ``init_checkpoint``. Returns ``(path, parsed)``.
+
+    Raises:
+        ValueError: naming ``launch.model_config`` when the file is missing or not JSON.
+    """
+    path = Path(cfg.launch.model_config or Path(cfg.init_checkpoint) / "config.json")
+    if not path.is_file():
+        raise ValueError(
+            f"launch.model_config: {path} does not exist (set launch.model_config to an HF "
+            "config.json, e.g. examples/models/qwen3_30b_a3b.json, when init_checkpoint is not "
+            "on this machine)"
+        )
+    try:
+        return str(path), json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"launch.model_config: {path} is not valid JSON: {e}") from None
+
+
+def resolve_plan(cfg: Any, hf_config: dict[str, Any] | None = None) -> LaunchPlan:
+    """Validate ``cfg`` (a :class:`~megatron_sat.config.RunConfig`) for launching and resolve
+    its plan.
+
+    Args:
+        cfg: the run config; its ``launch`` section says where the job runs.
+        hf_config: the model's parsed config.json; None reads it (see :func:`read_model_config`).
+
+    Raises:
+        ValueError: listing every problem, one per line, each naming its config field
+            (``parallel.*``, ``launch.*``, ``train.*``, ``rollout.*``).
+    """
+    launch: LaunchConfig = cfg.launch
+    if hf_config is None:
+        model_path, hf_config = read_model_config(cfg)
+    else:
+        model_path = "<given>"
+    params = count_parameters(hf_config)
+    par = cfg.parallel
+    tp = par.tensor_model_parallel_size
+    pp = par.pipeline_model_parallel_size
+    ep = par.expert_model_parallel_size
+    notes: list[str] = []
+    etp = _parallel_option(par, "expert_tensor_parallel_size")
+    if etp is None:
+        etp = 1
+        if tp > 1:
+            notes.append(
+                "expert tensor parallel 1: ParallelConfig has no expert_tensor_parallel_size "
+                f"field; megatron-core's default would be TP={tp}, so the trainer must pass 1"
+            )
+    sp = _parallel_option(par, "sequence_parallel")
+    if sp is None:
+        sp = tp > 1  # transformer_config_from_hf's rule
+    world = launch.trainer_nodes * launch.trainer_ranks_per_node
+
+    errors = _layout_errors(hf_config, world, tp, pp, ep, etp, sp)
+    if errors:
+        raise ValueError("invalid launch configuration:\n  " + "\n  ".join(errors))
+    dp, edp = world // (tp * pp), world // (etp * ep * pp)
+    sizes = {"tp": tp, "cp": 1, "ep": 1, "dp": dp, "pp": pp}
+    expert_sizes = {"tp": etp, "cp": 1, "ep": ep, "dp": edp, "pp": pp}
+    groups = {
+        "tensor parallel": rank_groups(sizes, ("tp",)),
+        "pipeline parallel": rank_groups(sizes, ("pp",)),
+        "data parallel": rank_groups(sizes, ("dp",)),
+        "model parallel (tp-pp)": rank_groups(sizes, ("tp", "pp")),
+        "expert parallel": rank_groups(expert_sizes, ("ep",)),
+        "expert tensor parallel": rank_groups(expert_sizes, ("tp",)),
+        "expert data parallel": rank_groups(expert_sizes, ("dp",)),
+    }
+    ranks = []
+    for r in range(world):
+        t, _, _, d, p = _decompose(r, [sizes[k] for k in ORDER])
+        et, _, e, ed, _ = _decompose(r, [expert_sizes[k] for k in ORDER])
+        node, local = divmod(r, launch.trainer_ranks_per_node)
+        ranks.append(TrainerRank(r, node, local, t, p, d, e, et, ed))
+
+    servers, source, errors = _servers(cfg, launch)
+    ro = cfg.rollout
+    samples = ro.prompts_per_step * ro.group_size
+    mbs = cfg.train.micro_batch_size
+    if samples % (dp * mbs):
+        errors.append(
+            f"train.micro_batch_size={mbs}: the {samples} samples of a step "
+            f"(rollout.prompts_per_step={ro.prompts_per_step} x rollout.group_size="
+            f"{ro.group_size}) are not divisible by DP {dp} x micro-batch {mbs}"
+        )
+    memory = estimate_memory(
+        params,
+        tp=tp,
+        pp=pp,
+        ep=ep,
+        etp=etp,
+        params_dtype=launch.params_dtype,
+        server_tp=launch.rollout_server_tp,
+    )
+    limit = launch.gpu_memory_gib * GIB
+    if launch.device == "cuda":
+        if memory.trainer_bytes > limit:
+            errors.append(
+                f"launch.gpu_memory_gib={launch.gpu_memory_gib}: a trainer rank needs "
+                f"{memory.trainer_bytes / GIB:.1f} GiB for parameters, gradients and optimizer "
+                f"states alone ({memory.params_per_rank / 1e9:.2f}B parameters); raise TP/EP/PP"
+            )
+        if servers and memory.server_weight_bytes_per_gpu > limit:
+            errors.append(
+                f"launch.rollout_server_tp={launch.rollout_server_tp}: a server's bf16 weights "
+                f"need {memory.server_weight_bytes_per_gpu / GIB:.1f} GiB per GPU, more than "
+                f"launch.gpu_memory_gib={launch.gpu_memory_gib}"
+            )
+    else:
+        notes.append("device cpu: memory estimate printed, not checked against a device size")
+    if errors:
+        raise ValueError("invalid launch configuration:\n  " + "\n  ".join(errors))
+    sync_world = 1 + sum(len(s.devices) for s in servers)
+    if source == "external":
+        notes.append(
+            "external servers (rollout.server_urls): weight-sync ranks are assigned when the "
+            "trainer connects (1 per server unless the servers run TP)"
+        )
+        sync_world = 1 + len(ro.server_urls)
+    elif source == "trainer":
+        sync_world = 1 + ro.num_embedded_servers
+    return LaunchPlan(
+        launch=launch,
+        run_name=Path(cfg.run_dir).name,
+        model_config_path=model_path,
+        hf_config=hf_config,
+        params=params,
+        world_size=world,
+        tp=tp,
+        pp=pp,
+        ep=ep,
+        etp=etp,
+        dp=dp,
+        edp=edp,
+        sequence_parallel=sp,
+        ranks=ranks,
+        groups=groups,
+        servers=servers,
+        server_source=source,
+        sync_world_size=sync_world,
+        sync_backend="nccl" if launch.device == "cuda" else "gloo",
+        samples_per_step=samples,
+        micro_batches_per_dp_rank=samples // (dp * mbs),
+        memory=memory,
+        notes=notes,
+    )
+
+
+def _layout_errors(
+    hf: dict[str, Any], world: int, tp: int, pp: int, ep: int, etp: int, sp: bool
+) -> list[str]:
+    """Parallel sizes against the trainer world and the model's dimensions."""
+    errors = []
+    ranks = f"the {world} trainer ranks (launch.trainer_nodes x launch.trainer_gpus_per_node)"
+    if world % (tp * pp):
+        errors.append(
+            f"parallel.tensor_model_parallel_size={tp} x parallel.pipeline_model_parallel_size"
+            f"={pp} does not divide {ranks}"
+        )
+    if world % (etp * ep * pp):
+        errors.append(
+            f"parallel.expert_model_parallel_size={ep} x expert TP {etp} x PP {pp} does not "
+            f"divide {ranks}"
+        )
+    heads = int(hf["num_attention_heads"])
+    groups = int(hf.get("num_key_value_heads") or heads)
+    num_experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
+    num_experts = num_experts or int(hf.get("n_routed_experts") or 0)
+    checks = [
+        (heads, tp, "parallel.tensor_model_parallel_size", "num_attention_heads"),
+        (groups, tp, "parallel.tensor_model_parallel_size", "num_key_value_heads (query groups)"),
+        (int(hf["vocab_size"]), tp, "parallel.tensor_model_parallel_size", "vocab_size"),
+        (int(hf["num_hidden_layers"]), pp, "parallel.pipeline_model_parallel_size", "layers"),
+        (num_experts, ep, "parallel.expert_model_parallel_size", "experts"),
+    ]
+    for value, size, name, what in checks:
+        if value % size:
+            errors.append(f"{name}={size} does not divide the model's {what} ({value})")
+    if num_experts and tp > 1 and not sp:
+        errors.append(
+            f"parallel.sequence_parallel=False with MoE and parallel.tensor_model_parallel_size"
+            f"={tp}: megatron-core requires sequence parallelism for MoE with TP > 1"
+        )
+    return errors
+
+
+def _servers(cfg: Any, launch: LaunchConfig) -> tuple[list[RolloutServer], str, list[str]]:
+    """Rollout servers on the devices the trainer leaves free; where servers come from."""
+    errors: list[str] = []
+    servers: list[RolloutServer] = []
+    free = []
+    for node in range(launch.num_nodes):
+        first = launch.trainer_ranks_per_node if node < launch.trainer_nodes else 0
+        free.append(list(range(first, launch.gpus_per_node)))
+    stp = launch.rollout_server_tp
+    for node, devices in enumerate(free):
+        if len(devices) % stp:
+            errors.append(
+                f"launch.rollout_server_tp={stp} does not divide the {len(devices)} rollout "
+                f"devices of node {node} (servers do not span nodes)"
+            )
+            continue
+        for k in range(len(devices) // stp):
+            offset = 1 + sum(len(s.devices) for s in servers)
+            servers.append(
+                RolloutServer(
+                    index=len(servers),
+                    node=node,
+                    devices=tuple(devices[k * stp : (k + 1) * stp]),
+                    port=launch.rollout_base_port + k,
+                    sync_ranks=tuple(range(offset, offset + stp)),
+                )
+            )
+    urls = cfg.rollout.server_urls
+    if servers and urls:
+        errors.append(
+            f"rollout.server_urls={urls} while the launcher starts {len(servers)} server(s) on "
+            "the free devices: leave server_urls empty (the script passes the URLs)"
+        )
+    if servers:
+        return servers, "launcher", errors
+    if urls:
+        return [], "external", errors
+    if launch.device == "cpu":
+        return [], "trainer", errors
+    errors.append(
+        "launch.trainer_gpus_per_node: every device runs a trainer rank and rollout.server_urls "
+        "is empty: leave devices for rollout servers (or add nodes with launch.num_nodes)"
+    )
+    return [], "none", errors
+
+
+def _span(values: list[int]) -> str:
+    return f"{values[0]}" if len(values) == 1 else f"{values[0]}-{values[-1]}"
+
+
+def _rank_holds(plan: LaunchPlan, r: TrainerRank) -> str:
+    """What one rank holds: its layers, attention shard, experts and vocab rows."""
+    num_layers = len(plan.params.per_layer_tp)
+    per_stage = num_layers // plan.pp
+    layers = list(range(r.pp * per_stage, (r.pp + 1) * per_stage))
+    num_experts = int(
+        plan.hf_config.get("num_experts")
+        or plan.hf_config.get("num_local_experts")
+        or plan.hf_config.get("n_routed_experts")
+    )
+    local = num_experts // plan.ep
+    vocab = int(plan.hf_config["vocab_size"]) // plan.tp
+    parts = [f"layers {_span(layers)}", f"attention shard {r.tp}/{plan.tp}"]
+    parts.append(f"experts {_span(list(range(r.ep * local, (r.ep + 1) * local)))}")
+    if plan.etp > 1:
+        parts[-1] += f" (shard {r.etp}/{plan.etp})"
+    if r.pp == 0:
+        parts.append(f"embedding rows {r.tp * vocab}-{(r.tp + 1) * vocab - 1}")
+    if r.pp == plan.pp - 1 and not plan.hf_config.get("tie_word_embeddings", False):
+        parts.append("output layer shard")
+    return ", ".join(parts)
+
+
+def format_plan(plan: LaunchPlan, max_rows: int = 64) -> str:
+    """The dry-run's human-readable topology and memory report (several lines)."""
+    la, m, hf = plan.launch, plan.memory, plan.hf_config
+    unit = "GPUs" if la.device == "cuda" else "CPU processes"
+    rollout_devices = sum(len(s.devices) for s in plan.servers)
+    num_experts = hf.get("num_experts") or hf.get("num_local_experts") or hf.get("n_routed_experts")
+    lines = [
+        f"launch plan for {plan.run_name}: launcher {la.launcher}, device {la.device}",
+        f"model: {(hf.get('architectures') or ['?'])[0]} from {plan.model_config_path}: "
+        f"{plan.params.total:,} parameters ({plan.params.non_embedding:,} without embeddings),"
+        f" {len(plan.params.per_layer_tp)} layers, {num_experts} experts, top-"
+        f"{hf.get('num_experts_per_tok')}",
+        f"allocation: {la.num_nodes} node(s) x {la.gpus_per_node} {unit} = "
+        f"{la.num_nodes * la.gpus_per_node}; trainer {plan.world_size} (nodes "
+        f"{_span(plan.trainer_nodes)}, devices 0-{la.trainer_ranks_per_node - 1}), rollout "
+        f"{rollout_devices} ({len(plan.servers)} {la.rollout_engine} server(s) x TP "
+        f"{la.rollout_server_tp})",
+        f"trainer: world {plan.world_size} = TP {plan.tp} x PP {plan.pp} x DP {plan.dp} (CP 1);"
+        f" experts: EP {plan.ep} x expert-TP {plan.etp} x expert-DP {plan.edp}; sequence "
+        f"parallel {'on' if plan.sequence_parallel else 'off'}",
+        "  rank node dev  tp pp dp  ep etp edp  holds",
+    ]
+    for r in plan.ranks[:max_rows]:
+        lines.append(
+            f"  {r.rank:<4} {r.node:<4} {r.local_rank:<4} {r.tp:<2} {r.pp:<2} {r.dp:<3} "
+            f"{r.ep:<2} {r.etp:<3} {r.edp:<4} {_rank_holds(plan, r)}"
+        )
+    if len(plan.ranks) > max_rows:
+        lines.append(f"  ... {len(plan.ranks) - max_rows} more ranks")
+    lines.append("process groups (megatron-core order tp-cp-ep-dp-pp):")
+    for name, groups in plan.groups.items():
+        shown = json.dumps(groups[:8]) + (f" ... ({len(groups)} groups)" if len(groups) > 8 else "")
+        lines.append(f"  {name:<24} {shown}")
+    lines.append(f"rollout servers ({plan.server_source}):")
+    for s in plan.servers:
+        lines.append(
+            f"  server {s.index}: node {s.node}, devices {','.join(map(str, s.devices))}, port "
+            f"{s.port}, {la.rollout_engine}"
+            + (f" --tp-size {la.rollout_server_tp}" if la.rollout_engine == "sglang" else "")
+            + f" --enable-return-routed-experts; weight-sync ranks {_span(list(s.sync_ranks))}"
+        )
+    if not plan.servers:
+        lines.append(f"  none started by the launcher ({plan.server_source})")
+    lines.append(
+        f"weight sync: one group of {plan.sync_world_size} ranks (trainer rank 0 = group rank 0,"
+        f" hosts the store; {plan.sync_world_size - 1} server ranks), backend "
+        f"{plan.sync_backend}"
+    )
+    lines.append(
+        f"batch: {plan.samples_per_step} samples per step; per DP rank "
+        f"{plan.samples_per_step // plan.dp} = {plan.micro_batches_per_dp_rank} micro-batches"
+    )
+    headroom = la.gpu_memory_gib - m.trainer_bytes / GIB
+    lines.append(
+        f"memory per trainer {'GPU' if la.device == 'cuda' else 'process'} ({la.params_dtype} "
+        f"params): {m.params_per_rank:,} parameters -> params {m.param_bytes / GIB:.1f} GiB + "
+        f"grads {m.grad_bytes / GIB:.1f} GiB + optimizer {m.optimizer_bytes / GIB:.1f} GiB = "
+        f"{m.trainer_bytes / GIB:.1f} GiB of {la.gpu_memory_gib:g} GiB (headroom "
+        f"{headroom:.1f} GiB for activations)"
+    )
+    if plan.servers:
+        lines.append(
+            f"memory per rollout device: bf16 weights {m.server_weight_bytes_per_gpu / GIB:.1f}"
+            f" GiB (TP {la.rollout_server_tp}); the rest is the server's KV cache"
+        )
+    lines += [f"note: {n}" for n in plan.notes]
+    return "\n".join(lines)

@@ -1,0 +1,322 @@
+"""Render the launch script of a resolved plan: torchrun (one node), sbatch, or mpirun.
+
+Every script does the same four things, with its launcher's tools:
+
+1. start the rollout servers on their devices (SGLang with ``--enable-return-routed-experts``
+   and ``--weight-version 0``, or the embedded CPU server), one log file each;
+2. wait until every server answers ``/health`` (failing early when one exits);
+3. start the trainer ranks with ``megatron-sat train --config <resolved config>
+   rollout.server_urls=[...]``, one log per node;
+4. on exit, stop the servers it started, by the pids it recorded (never by name), and exit
+   with the trainer's status.
+
+The resolved config is written next to the script, so every process reads the same config.
+"""
+
+from __future__ import annotations
+
+import shlex
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+from megatron_sat.launch.plan import LaunchPlan, RolloutServer, format_plan
+
+_HEALTH_FUNCTION = """\
+HEALTH_PY='import sys, urllib.request; urllib.request.urlopen(sys.argv[1] + "/health", timeout=5)'
+wait_healthy() {  # URL PID LOG: poll URL/health until it answers, the server dies or time is up
+  local deadline=$((SECONDS + SERVER_STARTUP_TIMEOUT_S))
+  until "$PY" -c "$HEALTH_PY" "$1" 2>/dev/null; do
+    if ! kill -0 "$2" 2>/dev/null; then
+      echo "rollout server $1 exited before /health answered; log: $3" >&2
+      tail -n 30 "$3" >&2 || true
+      return 1
+    fi
+    if (( SECONDS >= deadline )); then
+      echo "rollout server $1 not healthy after ${SERVER_STARTUP_TIMEOUT_S} s; log: $3" >&2
+      return 1
+    fi
+    sleep 0.5
+  done
+  echo "rollout server $1 is up" >&2
+}
+SERVER_PIDS=()
+stop_servers() {  # only the processes this script started, by pid
+  local pid
+  for pid in "${SERVER_PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done
+  for pid in "${SERVER_PIDS[@]}"; do wait "$pid" 2>/dev/null || true; done
+}
+trap stop_servers EXIT
+"""
+
+
+@dataclass(frozen=True)
+class RenderContext:
+    """What a script needs beyond the plan.
+
+    Attributes:
+        config_path: the resolved run config (YAML) every process loads.
+        model_path: checkpoint the servers load (``init_checkpoint``).
+        workdir: directory the script ``cd``s into.
+        python: interpreter for every process.
+        log_dir: directory of the per-node and per-server logs.
+        seed: base random seed of the servers (server i gets seed + i).
+        max_running_requests: batch limit of an embedded server.
+    """
+
+    config_path: str
+    model_path: str
+    workdir: str
+    python: str
+    log_dir: str
+    seed: int
+    max_running_requests: int
+
+
+def _q(value: object) -> str:
+    return shlex.quote(str(value))
+
+
+def server_command(plan: LaunchPlan, ctx: RenderContext, server: RolloutServer) -> list[str]:
+    """The argv (after the interpreter) of one rollout server; listens on all interfaces."""
+    la = plan.launch
+    common = ["--model-path", ctx.model_path, "--host", "0.0.0.0", "--port", str(server.port)]
+    seed = ["--random-seed", str(ctx.seed + server.index)]
+    if la.rollout_engine == "sglang":
+        return [
+            "-m",
+            "sglang.launch_server",
+            *common,
+            "--tp-size",
+            str(la.rollout_server_tp),
+            "--enable-return-routed-experts",
+            "--weight-version",
+            "0",
+            *seed,
+            *la.sglang_args,
+        ]
+    return [
+        "-m",
+        "megatron_sat.rollout.embedded.server",
+        *common,
+        "--enable-return-routed-experts",
+        *seed,
+        "--max-running-requests",
+        str(ctx.max_running_requests),
+    ]
+
+
+def _trainer_args(ctx: RenderContext) -> str:
+    return f"-m megatron_sat.cli train --config {_q(ctx.config_path)}"
+
+
+def _preamble(plan: LaunchPlan, ctx: RenderContext, title: str) -> list[str]:
+    comment = ["# " + line if line else "#" for line in format_plan(plan).splitlines()]
+    lines = [
+        f"# {title}, rendered by `megatron-sat launch` from the resolved config",
+        f"# {ctx.config_path}. Re-render rather than edit: the plan below is what was validated.",
+        *comment,
+        "set -euo pipefail",
+        f"cd {_q(ctx.workdir)}",
+        f"PY={_q(ctx.python)}",
+        f"LOG_DIR={_q(ctx.log_dir)}",
+        'mkdir -p "$LOG_DIR"',
+        f"SERVER_STARTUP_TIMEOUT_S={int(plan.launch.server_startup_timeout_s)}",
+        "export PYTHONUNBUFFERED=1",
+    ]
+    lines += [f"export {k}={_q(v)}" for k, v in sorted(plan.launch.env.items())]
+    return lines + [_HEALTH_FUNCTION]
+
+
+def _devices(values: tuple[int, ...] | range) -> str:
+    return ",".join(str(v) for v in values)
+
+
+def _urls_line(plan: LaunchPlan) -> list[str]:
+    if plan.server_source == "launcher":
+        return [
+            'SERVER_URLS="[$(IFS=,; echo "${URLS[*]}")]"',
+            'echo "rollout servers: $SERVER_URLS" >&2',
+        ]
+    return ['SERVER_URLS=""']
+
+
+def _url_override() -> str:
+    return '${SERVER_URLS:+"rollout.server_urls=$SERVER_URLS"}'
+
+
+def render_torchrun(plan: LaunchPlan, ctx: RenderContext) -> str:
+    """A bash script for one node: servers as background processes, then torchrun.
+
+    Raises:
+        ValueError: naming ``launch.launcher`` when the plan has more than one node.
+    """
+    la = plan.launch
+    if la.num_nodes != 1:
+        raise ValueError("launch.launcher=torchrun renders one node; use slurm or mpirun")
+    lines = ["#!/usr/bin/env bash", *_preamble(plan, ctx, "Single-node torchrun launch"), "URLS=()"]
+    for s in plan.servers:
+        log = f'"$LOG_DIR/server_{s.index}.log"'
+        env = f"CUDA_VISIBLE_DEVICES={_devices(s.devices)} " if la.device == "cuda" else ""
+        argv = " ".join(_q(a) for a in server_command(plan, ctx, s))
+        lines += [
+            f'{env}"$PY" {argv} > {log} 2>&1 &',
+            "SERVER_PIDS+=($!)",
+            f'URLS+=("\\"http://127.0.0.1:{s.port}\\"")',
+        ]
+    for s in plan.servers:
+        lines.append(
+            f'wait_healthy "http://127.0.0.1:{s.port}" "${{SERVER_PIDS[{s.index}]}}" '
+            f'"$LOG_DIR/server_{s.index}.log"'
+        )
+    lines += _urls_line(plan)
+    devices = _devices(range(la.trainer_ranks_per_node))
+    env = f"CUDA_VISIBLE_DEVICES={devices} " if la.device == "cuda" else ""
+    lines += [
+        "set +e",
+        f'{env}"$PY" -m torch.distributed.run --nnodes=1 --node-rank=0 '
+        f"--nproc-per-node={la.trainer_ranks_per_node} --master-addr=127.0.0.1 "
+        f"--master-port={la.master_port} {_trainer_args(ctx)} {_url_override()} "
+        '2>&1 | tee "$LOG_DIR/trainer_node0.log"',
+        "status=${PIPESTATUS[0]}",
+        "set -e",
+        'echo "trainer exited with status $status" >&2',
+        'exit "$status"',
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def render_sbatch(plan: LaunchPlan, ctx: RenderContext) -> str:
+    """An sbatch script: srun steps start the servers and one torchrun per trainer node;
+    host names come from ``SLURM_JOB_NODELIST``, logs go to one file per node and server."""
+    la = plan.launch
+    header = [
+        "#!/bin/bash",
+        f"#SBATCH --job-name={la.job_name or plan.run_name}",
+        f"#SBATCH --nodes={la.num_nodes}",
+        "#SBATCH --ntasks-per-node=1",
+        f"#SBATCH --output={ctx.log_dir}/sbatch_%j.log",
+    ]
+    if la.device == "cuda":
+        header.append(f"#SBATCH --gres=gpu:{la.gpus_per_node}")
+    for flag, value in (
+        ("cpus-per-task", la.cpus_per_node),
+        ("partition", la.partition),
+        ("account", la.account),
+        ("time", la.time_limit),
+    ):
+        if value is not None:
+            header.append(f"#SBATCH --{flag}={value}")
+    lines = header + _preamble(plan, ctx, "SLURM launch")
+    lines += [
+        'mapfile -t NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")',
+        f"if (( ${{#NODES[@]}} != {la.num_nodes} )); then",
+        f'  echo "allocation has ${{#NODES[@]}} nodes, the plan {la.num_nodes}" >&2; exit 1',
+        "fi",
+        'MASTER_ADDR="${NODES[0]}"',
+        f'TRAINER_NODELIST="$(IFS=,; echo "${{NODES[*]:0:{la.trainer_nodes}}}")"',
+        'echo "job $SLURM_JOB_ID: nodes ${NODES[*]}; trainer on $TRAINER_NODELIST" >&2',
+        "URLS=()",
+    ]
+    gres = (lambda n: f" --gres=gpu:{n}") if la.device == "cuda" else (lambda n: "")
+    for s in plan.servers:
+        argv = " ".join(_q(a) for a in server_command(plan, ctx, s))
+        lines += [
+            f'srun --overlap --nodes=1 --ntasks=1 --nodelist="${{NODES[{s.node}]}}"'
+            f"{gres(len(s.devices))} "
+            f'--output="$LOG_DIR/server_{s.index}_%N.log" "$PY" {argv} &',
+            "SERVER_PIDS+=($!)",
+            f'URLS+=("\\"http://${{NODES[{s.node}]}}:{s.port}\\"")',
+        ]
+    for s in plan.servers:
+        lines.append(
+            f'wait_healthy "http://${{NODES[{s.node}]}}:{s.port}" "${{SERVER_PIDS[{s.index}]}}" '
+            f'"$LOG_DIR/server_{s.index}_${{NODES[{s.node}]}}.log"'
+        )
+    lines += _urls_line(plan)
+    inner = (
+        f'exec "$0" -m torch.distributed.run --nnodes={la.trainer_nodes} '
+        f'--node-rank="$SLURM_PROCID" --nproc-per-node={la.trainer_ranks_per_node} '
+        f'--master-addr="$1" --master-port={la.master_port} {_trainer_args(ctx)} '
+        '${2:+"rollout.server_urls=$2"}'
+    )
+    lines += [
+        "set +e",
+        f"srun --overlap --nodes={la.trainer_nodes} --ntasks-per-node=1 "
+        f'--nodelist="$TRAINER_NODELIST"{gres(la.trainer_ranks_per_node)} '
+        f'--output="$LOG_DIR/trainer_%N.log" bash -c {_q(inner)} "$PY" "$MASTER_ADDR" '
+        '"$SERVER_URLS"',
+        "status=$?",
+        "set -e",
+        'echo "trainer exited with status $status" >&2',
+        'exit "$status"',
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def render_mpirun(plan: LaunchPlan, ctx: RenderContext) -> str:
+    """A bash script: one ``mpirun -np 1`` per server, then ``mpirun`` of the trainer ranks
+    (Open MPI; ranks mapped from ``OMPI_COMM_WORLD_*`` by :mod:`megatron_sat.launch.env`)."""
+    la = plan.launch
+    hosts = la.hosts or [socket.gethostname()]
+    lines = ["#!/usr/bin/env bash", *_preamble(plan, ctx, "Open MPI launch")]
+    lines += [
+        "MPI_FLAGS=(--bind-to none)",
+        '[[ "$(id -u)" == 0 ]] && MPI_FLAGS+=(--allow-run-as-root)',
+        "URLS=()",
+    ]
+    exports = " ".join(f"-x {k}" for k in ["PYTHONUNBUFFERED", *sorted(la.env)])
+    for s in plan.servers:
+        host = hosts[s.node]
+        log = f'"$LOG_DIR/server_{s.index}.log"'
+        cuda = f" -x CUDA_VISIBLE_DEVICES={_devices(s.devices)}" if la.device == "cuda" else ""
+        argv = " ".join(_q(a) for a in server_command(plan, ctx, s))
+        lines += [
+            f'mpirun "${{MPI_FLAGS[@]}}" -np 1 --host {_q(host)}:1 {exports}{cuda} '
+            f'"$PY" {argv} > {log} 2>&1 &',
+            "SERVER_PIDS+=($!)",
+            f'URLS+=("\\"http://{host}:{s.port}\\"")',
+        ]
+    for s in plan.servers:
+        lines.append(
+            f'wait_healthy "http://{hosts[s.node]}:{s.port}" "${{SERVER_PIDS[{s.index}]}}" '
+            f'"$LOG_DIR/server_{s.index}.log"'
+        )
+    lines += _urls_line(plan)
+    per_node = la.trainer_ranks_per_node
+    host_list = ",".join(f"{h}:{per_node}" for h in hosts[: la.trainer_nodes])
+    cuda = f" -x CUDA_VISIBLE_DEVICES={_devices(range(per_node))}" if la.device == "cuda" else ""
+    lines += [
+        "set +e",
+        f'mpirun "${{MPI_FLAGS[@]}}" -np {plan.world_size} --host {host_list} '
+        f"--map-by ppr:{per_node}:node {exports}{cuda} -x MASTER_ADDR={_q(hosts[0])} "
+        f"-x MASTER_PORT={la.master_port} "
+        f'--output-filename "$LOG_DIR/trainer" "$PY" {_trainer_args(ctx)} {_url_override()}',
+        "status=$?",
+        "set -e",
+        'echo "trainer exited with status $status" >&2',
+        'exit "$status"',
+    ]
+    return "\n".join(lines) + "\n"
+
+
+RENDERERS = {"torchrun": render_torchrun, "slurm": render_sbatch, "mpirun": render_mpirun}
+SCRIPT_NAMES = {"torchrun": "torchrun.sh", "slurm": "job.sbatch", "mpirun": "mpirun.sh"}
+
+
+def render(plan: LaunchPlan, ctx: RenderContext) -> str:
+    """The script of ``plan.launch.launcher``."""
+    return RENDERERS[plan.launch.launcher](plan, ctx)
+
+
+def script_name(launcher: str) -> str:
+    """File name of a launcher's script inside the launch directory."""
+    return SCRIPT_NAMES[launcher]
+
+
+def write_executable(path: Path, text: str) -> Path:
+    """Write ``text`` to ``path`` with mode 0755; returns the path."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    path.chmod(0o755)
+    return path
