@@ -1,0 +1,224 @@
+"""Architecture registry: the HF ``architectures`` name picks the model family.
+
+Each family is one small module (``qwen3_moe``, ``mixtral``, ``qwen2_moe``, ``deepseek_v3``)
+with a ``transformer_config_from_hf`` that derives megatron-core's ``TransformerConfig`` from
+``config.json``. The checkpoint name maps are chosen by the same name
+(:mod:`megatron_sat.checkpoint.archs`). This module also holds what the new families share: the
+parallel/CPU fields of the config and a generic ``GPTModel`` builder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+# HF architectures name -> module of megatron_sat.models that derives its TransformerConfig.
+ARCHITECTURES: dict[str, str] = {
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
+}
+
+
+def architecture_of(hf_config: Mapping[str, Any]) -> str:
+    """The one supported HF architecture name listed in ``config.json``'s ``architectures``.
+
+    Raises:
+        ValueError: when none, or more than one, of the listed names is supported.
+    """
+    archs = list(hf_config.get("architectures") or [])
+    known = [a for a in archs if a in ARCHITECTURES]
+    if len(known) != 1:
+        raise ValueError(
+            f"config.json architectures={archs}: expected exactly one of {sorted(ARCHITECTURES)}"
+        )
+    return known[0]
+
+
+def family_module(hf_config: Mapping[str, Any]):
+    """The ``megatron_sat.models.<family>`` module for ``hf_config`` (see :data:`ARCHITECTURES`)."""
+    return importlib.import_module(
+        f"megatron_sat.models.{ARCHITECTURES[architecture_of(hf_config)]}"
+    )
+
+
+def transformer_config_from_hf(hf_config: Mapping[str, Any], **kwargs: Any):
+    """Dispatch to the family's ``transformer_config_from_hf`` (same keyword arguments as
+    :func:`megatron_sat.models.qwen3_moe.transformer_config_from_hf`).
+
+    Raises:
+        ValueError: for an unsupported architecture or a config value the family cannot map.
+    """
+    return family_module(hf_config).transformer_config_from_hf(hf_config, **kwargs)
+
+
+def build_gpt_model(hf_config: Mapping[str, Any], config, **kwargs: Any):
+    """Build this rank's megatron-core ``GPTModel`` for ``hf_config`` (dispatch by architecture).
+
+    Qwen3-MoE uses :func:`megatron_sat.models.qwen3_moe.build_gpt_model`; the other families use
+    :func:`build_generic_gpt_model`. Model-parallel state must be initialised.
+    """
+    module = family_module(hf_config)
+    builder = getattr(module, "build_gpt_model", build_generic_gpt_model)
+    with _tensor_cuda_is_identity_on_cpu():
+        return builder(hf_config, config, **kwargs)
+
+
+@contextlib.contextmanager
+def _tensor_cuda_is_identity_on_cpu():
+    """While a model is built on a machine without CUDA, ``Tensor.cuda()`` returns the tensor.
+
+    megatron-core 0.19.2's ``LanguageModule.setup_embeddings_and_output_layer`` runs
+    ``weight.data = weight.data.cuda()`` before all-reducing the tied embedding between the
+    first and the last pipeline stage (tied embeddings at PP > 1), which raises "Torch not
+    compiled with CUDA enabled" on the CPU. Scoped to model construction; nothing is patched
+    when CUDA is available. (Belongs with the CPU shims of :mod:`megatron_sat.platform`.)
+    """
+    if torch.cuda.is_available():
+        yield
+        return
+    original = torch.Tensor.cuda
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.Tensor.cuda = original  # type: ignore[method-assign]
+
+
+def require(hf_config: Mapping[str, Any], key: str) -> Any:
+    """``hf_config[key]``; raises ``ValueError`` naming the key when it is absent or null."""
+    value = hf_config.get(key)
+    if value is None:
+        raise ValueError(f"config.json has no {key!r}")
+    return value
+
+
+def common_transformer_kwargs(
+    hf_config: Mapping[str, Any],
+    *,
+    tensor_model_parallel_size: int,
+    expert_model_parallel_size: int,
+    pipeline_model_parallel_size: int,
+    params_dtype: torch.dtype,
+    moe_token_dispatcher_type: str,
+    moe_enable_routing_replay: bool,
+    recompute_granularity: str | None,
+    expert_tensor_parallel_size: int | None = None,
+) -> dict[str, Any]:
+    """``TransformerConfig`` fields shared by every family: sizes, norms, SwiGLU, parallel layout,
+    CPU-safe settings (CPU initialisation, fusions off), no aux loss, dropout from config.json.
+    ``pipeline_dtype`` is the parameter dtype when PP > 1; ``expert_tensor_parallel_size`` None
+    keeps megatron-core's default (the TP size).
+
+    Raises:
+        ValueError: for ``hidden_act`` other than ``silu``, or a vocabulary that does not split
+            evenly over the tensor-parallel ranks (megatron-core does not pad it here).
+    """
+    act = hf_config.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"config.json hidden_act={act!r}: only silu (SwiGLU) is mapped")
+    vocab = int(require(hf_config, "vocab_size"))
+    if vocab % tensor_model_parallel_size:
+        raise ValueError(
+            f"vocab_size={vocab} is not divisible by tensor_model_parallel_size="
+            f"{tensor_model_parallel_size}"
+        )
+    num_heads = int(require(hf_config, "num_attention_heads"))
+    hidden = int(require(hf_config, "hidden_size"))
+    kwargs: dict[str, Any] = dict(
+        num_layers=int(require(hf_config, "num_hidden_layers")),
+        hidden_size=hidden,
+        num_attention_heads=num_heads,
+        normalization="RMSNorm",
+        layernorm_epsilon=float(hf_config.get("rms_norm_eps", 1e-6)),
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=float(hf_config.get("attention_dropout") or 0.0),
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_token_dispatcher_type=moe_token_dispatcher_type,
+        moe_enable_routing_replay=moe_enable_routing_replay,
+        moe_grouped_gemm=False,
+        params_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        tensor_model_parallel_size=tensor_model_parallel_size,
+        expert_model_parallel_size=expert_model_parallel_size,
+        pipeline_model_parallel_size=pipeline_model_parallel_size,
+        sequence_parallel=tensor_model_parallel_size > 1,
+        # CPU initialisation makes TP runs bit-identical to TP=1; fusions need CUDA kernels.
+        use_cpu_initialization=True,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        moe_router_fusion=False,
+    )
+    if pipeline_model_parallel_size > 1:
+        kwargs["pipeline_dtype"] = params_dtype
+    if expert_tensor_parallel_size is not None:
+        kwargs["expert_tensor_parallel_size"] = expert_tensor_parallel_size
+    if recompute_granularity is not None:
+        kwargs.update(
+            recompute_granularity=recompute_granularity,
+            recompute_method="uniform",
+            recompute_num_layers=1,
+        )
+    return kwargs
+
+
+def moe_layer_freq(pattern: list[int]) -> list[int] | int:
+    """megatron-core's ``moe_layer_freq`` for a per-layer MoE pattern (1 = MoE, 0 = dense):
+    the integer 1 when every layer is MoE, else the list itself."""
+    return 1 if all(pattern) else list(pattern)
+
+
+def build_generic_gpt_model(
+    hf_config: Mapping[str, Any],
+    config,
+    *,
+    pre_process: bool = True,
+    post_process: bool = True,
+    use_transformer_engine: bool | None = None,
+    spec_hook: Callable[[Any, bool], Any] | None = None,
+):
+    """A megatron-core ``GPTModel`` for any registered family on this rank.
+
+    The transformer-engine layer spec when TE is usable (CUDA + TE installed), the local spec
+    otherwise; ``spec_hook(block_spec, use_transformer_engine)`` may return an adjusted block
+    spec (the family's extension point). RoPE's base comes from config.json
+    (:func:`megatron_sat.models.qwen3_moe.hf_rope_theta`; MLA reads ``config.rotary_base``).
+    """
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    from megatron_sat.models.qwen3_moe import hf_rope_theta
+    from megatron_sat.platform import have_transformer_engine
+
+    if use_transformer_engine is None:
+        use_transformer_engine = have_transformer_engine()
+    spec = get_gpt_decoder_block_spec(
+        config, use_transformer_engine=use_transformer_engine, normalization="RMSNorm"
+    )
+    if spec_hook is not None:
+        spec = spec_hook(spec, use_transformer_engine)
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=int(hf_config["vocab_size"]),
+        max_sequence_length=int(hf_config.get("max_position_embeddings", 4096)),
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=bool(hf_config.get("tie_word_embeddings", False)),
+        position_embedding_type="rope",
+        rotary_base=hf_rope_theta(hf_config),
+    )
