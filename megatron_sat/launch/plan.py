@@ -383,8 +383,8 @@ def _servers(cfg: Any, launch: LaunchConfig) -> tuple[list[RolloutServer], str, 
         return servers, "launcher", errors
     if urls:
         return [], "external", errors
-    if launch.device == "cpu":
-        return [], "trainer", errors
+    if launch.device == "cpu" or any(free):  # any(free): the divisibility error says it all
+        return [], "trainer" if launch.device == "cpu" else "none", errors
     errors.append(
         "launch.trainer_gpus_per_node: every device runs a trainer rank and rollout.server_urls "
         "is empty: leave devices for rollout servers (or add nodes with launch.num_nodes)"

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Validate a run config and start it with mpirun: `megatron-sat launch` resolves the plan (the
+# same checks as --dry-run; it stops here with a message naming the bad field), writes the
+# resolved config and the Open MPI script into <run_dir>/launch/, and this script runs it.
+# Usage: bash examples/launch_mpirun.sh CONFIG [section.field=value ...]
+#   Hosts: launch.hosts=[node1,node2] (default: this machine, one node).
+#   PYTHON: interpreter with megatron-sat installed (default: this checkout's .venv).
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+PY="${PYTHON:-$root/.venv/bin/python}"
+config="${1:?usage: launch_mpirun.sh CONFIG [section.field=value ...]}"
+shift
+script="$("$PY" -m megatron_sat.cli launch --config "$config" --launcher mpirun "$@")"
+exec bash "$script"
