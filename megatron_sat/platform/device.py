@@ -88,6 +88,8 @@ def apply_cpu_shims() -> bool:
     _patch_split_sizes()
     _patch_rng_tracker()
     _patch_literal_cuda_tensors()
+    _patch_torch_norm_sequence_parallel()
+    _patch_recompute_rng_state()
     return True
 
 
@@ -204,3 +206,42 @@ def _patch_literal_cuda_tensors() -> None:
         return original_type(self, dtype, non_blocking, **kwargs)
 
     torch.Tensor.type = tensor_type
+
+
+def _patch_recompute_rng_state() -> None:
+    # Activation recompute (CheckpointFunction.forward/backward, via _get_all_rng_states and
+    # _fork_rng) saves the CUDA generator state with torch.cuda.random.get_rng_state, which
+    # raises "Torch not compiled with CUDA enabled". There is no CUDA generator on the CPU: the
+    # CPU generator state is saved and restored next to it already, and _set_cuda_rng_state is
+    # a no-op here (_patch_rng_tracker), so an empty state stands in for the CUDA one.
+    from megatron.core.tensor_parallel import random as tp_random
+
+    tp_random._get_cuda_rng_state = lambda *args, **kwargs: torch.empty(0, dtype=torch.uint8)
+
+
+def _patch_torch_norm_sequence_parallel() -> None:
+    # The local spec's norms are megatron-core's WrappedTorchNorm (torch.nn.RMSNorm), whose
+    # constructor asserts `not config.sequence_parallel` ("sequence parallel not supported by
+    # torch LayerNorm"), so TP > 1 with MoE (which needs SP) cannot be built on the CPU. A norm
+    # is per token, so it runs unchanged on a sequence shard; what SP needs is that its weight
+    # gradient, partial on each TP rank, is summed over TP. finalize_model_grads does that for
+    # params marked `sequence_parallel` (exactly what the TE norms mark). So: build the torch
+    # norm from a copy of the config with SP off, then mark its params.
+    import copy
+
+    from megatron.core.transformer import torch_norm
+
+    cls = torch_norm.WrappedTorchNorm
+    original_new = cls.__new__
+
+    def __new__(wrapped_cls, config, hidden_size, eps=1e-5, *args, **kwargs):
+        if not config.sequence_parallel:
+            return original_new(wrapped_cls, config, hidden_size, eps, *args, **kwargs)
+        config_without_sp = copy.copy(config)
+        config_without_sp.sequence_parallel = False
+        norm = original_new(wrapped_cls, config_without_sp, hidden_size, eps, *args, **kwargs)
+        for param in norm.parameters():
+            param.sequence_parallel = True
+        return norm
+
+    cls.__new__ = __new__
