@@ -44,11 +44,27 @@ def num_experts_of(hf_config: Mapping[str, Any]) -> int:
 
 
 def moe_layer_pattern(hf_config: Mapping[str, Any]) -> list[int]:
-    """1 for each decoder layer that is MoE, 0 for a dense one (Qwen3-MoE's sparse step rules)."""
+    """1 for each decoder layer that is MoE, 0 for a dense one (Qwen3-MoE's rule).
+
+    transformers' ``Qwen3MoeDecoderLayer``: layer i is sparse iff ``i not in mlp_only_layers``
+    and ``(i + 1) % decoder_sparse_step == 0`` (and the model has experts). First-k-dense
+    layouts (DeepSeek-V3's ``first_k_dense_replace``) are ``mlp_only_layers = [0, .., k-1]``.
+
+    Raises:
+        ValueError: for ``decoder_sparse_step`` < 1 or an ``mlp_only_layers`` index outside
+            [0, num_hidden_layers).
+    """
     num_layers = int(hf_config["num_hidden_layers"])
     step = int(hf_config.get("decoder_sparse_step", 1))
+    if step < 1:
+        raise ValueError(f"config.json decoder_sparse_step={step}: must be >= 1")
     dense = set(hf_config.get("mlp_only_layers") or [])
-    return [int(i not in dense and step > 0 and (i + 1) % step == 0) for i in range(num_layers)]
+    outside = sorted(i for i in dense if not 0 <= int(i) < num_layers)
+    if outside:
+        raise ValueError(
+            f"config.json mlp_only_layers {outside} outside [0, num_hidden_layers={num_layers})"
+        )
+    return [int(i not in dense and (i + 1) % step == 0) for i in range(num_layers)]
 
 
 def transformer_config_from_hf(
@@ -61,6 +77,7 @@ def transformer_config_from_hf(
     moe_token_dispatcher_type: str = "alltoall",
     moe_enable_routing_replay: bool = True,
     recompute_granularity: str | None = None,
+    expert_tensor_parallel_size: int | None = None,
     **overrides: Any,
 ):
     """The one place that derives megatron-core's ``TransformerConfig`` from ``config.json``.
@@ -74,21 +91,28 @@ def transformer_config_from_hf(
         moe_token_dispatcher_type: ``alltoall`` or ``allgather``.
         moe_enable_routing_replay: Give every router a megatron-core ``RouterReplay``.
         recompute_granularity: None or ``full`` (uniform, one layer per chunk).
+        expert_tensor_parallel_size: TP degree of the experts (None: megatron-core's default,
+            the TP size; 1 lets TP2 x EP2 run on 2 ranks).
         overrides: Further ``TransformerConfig`` fields, applied last.
 
+    Dense layers (``mlp_only_layers``, ``decoder_sparse_step``; :func:`moe_layer_pattern`)
+    become megatron-core's ``moe_layer_freq`` list, with ``intermediate_size`` as their FFN
+    width; every layer keeps its global ``layer_number``, which is what R3 keys routes by.
+
     Raises:
-        ValueError: for an architecture other than Qwen3-MoE, dense layers (``mlp_only_layers``
-            or a sparse step > 1; not mapped yet), or scaled RoPE.
+        ValueError: for an architecture other than Qwen3-MoE, no MoE layer at all, dense
+            layers without ``intermediate_size``, a bad layer pattern, or scaled RoPE.
     """
     from megatron.core.transformer import TransformerConfig
 
     archs = hf_config.get("architectures") or []
     if not set(archs) & set(SUPPORTED_ARCHITECTURES):
         raise ValueError(f"architectures={archs}: supported are {SUPPORTED_ARCHITECTURES}")
-    if 0 in moe_layer_pattern(hf_config):
-        raise ValueError(
-            "dense decoder layers (mlp_only_layers / decoder_sparse_step > 1) are not supported"
-        )
+    pattern = moe_layer_pattern(hf_config)
+    if not any(pattern):
+        raise ValueError("config.json has no MoE layer (mlp_only_layers / decoder_sparse_step)")
+    if not all(pattern) and not hf_config.get("intermediate_size"):
+        raise ValueError("config.json has dense layers but no intermediate_size for them")
     num_heads = int(hf_config["num_attention_heads"])
     hidden = int(hf_config["hidden_size"])
     kwargs: dict[str, Any] = dict(
@@ -134,7 +158,12 @@ def transformer_config_from_hf(
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
         moe_router_fusion=False,
+        moe_layer_freq=1 if all(pattern) else list(pattern),
     )
+    if pipeline_model_parallel_size > 1:
+        kwargs["pipeline_dtype"] = params_dtype
+    if expert_tensor_parallel_size is not None:
+        kwargs["expert_tensor_parallel_size"] = expert_tensor_parallel_size
     if recompute_granularity is not None:
         kwargs.update(
             recompute_granularity=recompute_granularity,
