@@ -8,7 +8,12 @@ decoder layer (dense layers included; SGLang leaves them 0), experts in the rout
 Source: ``sglang/srt/state_capturer/routed_experts.py``,
 ``managers/scheduler_components/batch_result_processor.py``.
 
-The trainer keeps routes compact: uint8 when ids fit (<= 256 experts), else int16.
+The trainer keeps routes compact: uint8 when ids fit (<= 256 experts), else int16, and widens
+them to int64 only when installing them into a router (:mod:`megatron_sat.routing.slicing`).
+
+Incremental rows: a request sent with ``routed_experts_start_len = n`` (a continued or resumed
+generation whose first n rows the caller already holds) gets only rows ``n ..`` back;
+:func:`extend_routed_experts` appends them to the rows held, checking that they line up.
 """
 
 from __future__ import annotations
@@ -72,10 +77,12 @@ def decode_routed_experts(
     actual = len(raw) // _WIRE_DTYPE.itemsize
     if actual != expected:
         rows = actual / (num_layers * top_k) if num_layers * top_k else float("nan")
+        layers = actual / (num_tokens * top_k) if num_tokens * top_k else float("nan")
         raise ValueError(
             f"routed_experts payload has {actual} int32 values, expected {expected} for shape "
-            f"[num_tokens={num_tokens}, num_layers={num_layers}, top_k={top_k}] "
-            f"(payload holds {rows:g} rows of {num_layers}x{top_k})"
+            f"[num_tokens={num_tokens}, num_layers={num_layers}, top_k={top_k}]: it holds "
+            f"{rows:g} rows of {num_layers}x{top_k}, or {layers:g} layers for {num_tokens} "
+            f"tokens (the model has num_hidden_layers={num_layers}, dense layers included)"
         )
     ids = np.frombuffer(raw, dtype=_WIRE_DTYPE).reshape(num_tokens, num_layers, top_k)
     if ids.size:
@@ -104,3 +111,50 @@ def encode_routed_experts(arr: np.ndarray) -> str:
     if arr.size and (arr.min() < np.iinfo(np.int32).min or arr.max() > np.iinfo(np.int32).max):
         raise ValueError("routed expert ids do not fit int32")
     return base64.b64encode(arr.astype(_WIRE_DTYPE).tobytes()).decode("ascii")
+
+
+def extend_routed_experts(
+    held: np.ndarray | None, increment: np.ndarray, *, start_len: int, num_experts: int
+) -> np.ndarray:
+    """Append rows decoded from a request sent with ``routed_experts_start_len=start_len``.
+
+    SGLang returns rows ``start_len .. seqlen - 2`` for such a request (token positions; the
+    last token never has a row), so the rows already held must be exactly rows
+    ``0 .. start_len - 1``.
+
+    Args:
+        held: [start_len, num_layers, top_k] rows held so far (None or empty when start_len=0).
+        increment: [n, num_layers, top_k] rows of the new response, as
+            :func:`decode_routed_experts` returns them.
+        start_len: the ``routed_experts_start_len`` the request was sent with.
+        num_experts: routed experts per layer (picks the compact dtype).
+
+    Returns:
+        [start_len + n, num_layers, top_k] in the compact dtype for ``num_experts``.
+
+    Raises:
+        ValueError: when ``held`` does not hold exactly ``start_len`` rows, or the layer count or
+            top_k of the two parts differ (each named).
+    """
+    if start_len < 0:
+        raise ValueError(f"routed_experts_start_len must be >= 0, got {start_len}")
+    increment = np.asarray(increment)
+    if increment.ndim != 3:
+        raise ValueError(f"increment must be [rows, layers, top_k], got shape {increment.shape}")
+    dtype = compact_expert_dtype(num_experts)
+    if held is None or (held.shape[0] == 0 and start_len == 0):
+        if start_len != 0:
+            raise ValueError(f"routed_experts_start_len={start_len} but no rows are held")
+        return increment.astype(dtype)
+    held = np.asarray(held)
+    if held.shape[0] != start_len:
+        raise ValueError(
+            f"routed_experts_start_len={start_len} but {held.shape[0]} rows are held: the "
+            f"increment would start at row {start_len}, not after the held rows"
+        )
+    if held.shape[1:] != increment.shape[1:]:
+        raise ValueError(
+            f"held rows are [.., {held.shape[1]} layers, top_k {held.shape[2]}] but the increment "
+            f"is [.., {increment.shape[1]} layers, top_k {increment.shape[2]}]"
+        )
+    return np.concatenate([held.astype(dtype), increment.astype(dtype)], axis=0)

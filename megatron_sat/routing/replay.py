@@ -1,107 +1,551 @@
-"""R3 replay control: install rollout routes into megatron-core's routers for one pass.
+"""R3 replay and record control over megatron-core's ``RouterReplay``, keyed by
+(micro-batch, layer).
 
-Routers are found by walking the live model (never megatron-core's process-global
-``RouterReplay.global_router_replay_instances``, which keeps instances of every model ever
-built) and keyed by their global 1-based ``layer_number``, so a pipeline stage only touches its
-own layers. Source: Ma et al., "Stabilizing MoE RL by Aligning Training and Inference Routers"
-(R3), arXiv 2510.11370; megatron-core ``transformer/moe/router_replay.py``.
+Source: Ma et al., "Stabilizing MoE RL by Aligning Training and Inference Routers" (R3),
+arXiv 2510.11370; megatron-core 0.19 ``transformer/moe/router_replay.py``. Measured facts this
+module rests on are in ARCHITECTURE.md ("RouterReplay under PP + recompute").
 
-With ``moe_router_pre_softmax=False`` megatron-core's replay gathers the trainer's own router
-logits at the replayed experts and takes their softmax, so the gate weights (and the router's
-gradient) come from the trainer while the expert choice comes from the rollout engine.
+- Routers are found by walking the live model chunks given (never megatron-core's
+  process-global ``RouterReplay.global_router_replay_instances``, which keeps the instances of
+  every model ever built), keyed by their global 1-based ``layer_number``; a pipeline stage holds
+  only its own layers. Routers inside a multi-token-prediction block number their layers from 1
+  again; they are kept apart (:attr:`RoutingReplay.mtp_routers`), never receive decoder routes
+  and always route live (SGLang returns no rows for MTP layers).
+- Targets are installed per router call by a forward pre-hook, from the micro-batch the caller
+  names with :meth:`RoutingReplay.micro_batch` (the forward step of a pipeline schedule).
+  megatron-core replays ``REPLAY_FORWARD`` targets on the forward; activation recompute happens
+  later, inside the backward, where this module switches the router to ``REPLAY_BACKWARD`` so
+  that it pops megatron-core's per-layer FIFO, which holds exactly the targets of the forwards
+  of that layer in forward order. 1F1B (and no pipelining) runs backwards in forward order per
+  stage, so each recompute gets its own micro-batch's routes; a parallel ledger of
+  (micro-batch, target) checks the FIFO head by identity and raises when it is out of step.
+- Every session clears the indices and actions of its routers on entry and on exit, and on a
+  clean exit checks that each layer was recomputed either for every forward or for none.
+- Gates: megatron-core's replay gathers the trainer's own scores at the replayed experts (raw
+  logits then softmax when ``moe_router_pre_softmax=False``, the full softmax when True, biased
+  scores for selection and unbiased ones as gates for sigmoid routers), so gates are
+  recomputed from the trainer's router and normalised as the router normally does; the router
+  keeps its gradient.
+- Audit: while replaying, the trainer's own top-k on the same scores is computed (no grad) and
+  compared as a set with the replayed experts, per layer, over real tokens
+  (:meth:`ReplayReport.metrics`).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections import Counter, deque
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
+from megatron_sat.routing.slicing import router_targets
 
-def find_routers(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
-    """Map global 1-based layer number -> the MoE router (``TopKRouter``) of that layer.
 
-    Raises:
-        ValueError: if two routers claim one layer number.
-    """
+def _mtp_module_ids(model: torch.nn.Module) -> set[int]:
+    from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionBlock
+
+    ids: set[int] = set()
+    for module in model.modules():
+        if isinstance(module, MultiTokenPredictionBlock):
+            ids.update(id(m) for m in module.modules())
+    return ids
+
+
+def _routers(model: torch.nn.Module, *, mtp: bool) -> dict[int, torch.nn.Module]:
     from megatron.core.transformer.moe.router import TopKRouter
 
+    inside_mtp = _mtp_module_ids(model)
     routers: dict[int, torch.nn.Module] = {}
     for module in model.modules():
-        if isinstance(module, TopKRouter):
+        if isinstance(module, TopKRouter) and (id(module) in inside_mtp) == mtp:
             layer = int(module.layer_number)
             if layer in routers:
-                raise ValueError(f"two routers claim layer_number {layer}")
+                kind = "MTP" if mtp else "decoder"
+                raise ValueError(f"two {kind} routers claim layer_number {layer}")
             routers[layer] = module
     return routers
 
 
-def _check_target(layer: int, target: torch.Tensor, router: torch.nn.Module) -> None:
-    num_experts, top_k = router.config.num_moe_experts, router.topk
-    if target.dim() != 2 or target.shape[1] != top_k:
+def find_routers(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
+    """Decoder MoE routers of ``model``: global 1-based layer number -> ``TopKRouter``.
+
+    Multi-token-prediction routers are excluded (see :func:`find_mtp_routers`).
+
+    Raises:
+        ValueError: if two decoder routers claim one layer number.
+    """
+    return _routers(model, mtp=False)
+
+
+def find_mtp_routers(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
+    """Routers inside the multi-token-prediction block: MTP layer number (from 1) -> router."""
+    return _routers(model, mtp=True)
+
+
+def check_replayable(layer: int, router: torch.nn.Module) -> None:
+    """Raise ``ValueError`` naming the layer and the setting when replay cannot be exact.
+
+    Refused: no ``RouterReplay`` (``moe_enable_routing_replay=False``); the fused router (its
+    path skips the replay hook); sinkhorn / quantile-balancing routing (they bypass top-k);
+    token dropping (``moe_expert_capacity_factor``: dropped tokens would not use the replayed
+    experts); forced load balancing or forced bias (random logits); context parallelism.
+    """
+    config = router.config
+    if router.router_replay is None:
         raise ValueError(
-            f"routing replay target for layer {layer} has shape {tuple(target.shape)}; "
-            f"expected [num_tokens, top_k={top_k}]"
+            f"router of layer {layer} has no RouterReplay: build with "
+            "moe_enable_routing_replay=True"
         )
-    if target.dtype not in (torch.int64, torch.int32):
-        raise ValueError(f"routing replay target for layer {layer} has dtype {target.dtype}")
-    if target.numel() and (int(target.min()) < 0 or int(target.max()) >= num_experts):
-        raise ValueError(
-            f"routing replay target for layer {layer} holds expert ids outside [0, {num_experts})"
+    bad = {
+        "moe_router_fusion": config.moe_router_fusion,
+        "moe_expert_capacity_factor": config.moe_expert_capacity_factor is not None,
+        "moe_router_force_load_balancing": config.moe_router_force_load_balancing,
+        "moe_router_force_biased": getattr(config, "moe_router_force_biased", None) is not None,
+        "context_parallel_size": config.context_parallel_size > 1,
+    }
+    if router.routing_type in ("sinkhorn", "quantile_balancing"):
+        bad[f"moe_router_load_balancing_type={router.routing_type!r}"] = True
+    named = [name for name, is_bad in bad.items() if is_bad]
+    if named:
+        raise ValueError(f"routing replay of layer {layer} cannot be exact with {named}")
+
+
+@dataclass(frozen=True)
+class MicroBatchRoutes:
+    """What the routers of this rank replay for one micro-batch.
+
+    Attributes:
+        targets: global layer number -> int64 [num_local_tokens, top_k] in the router's token
+            order (see :mod:`megatron_sat.routing.slicing`).
+        real: bool [num_local_tokens], True where the route came from the rollout engine (not a
+            filler row); the audit counts only these. None counts every token.
+    """
+
+    targets: Mapping[int, torch.Tensor]
+    real: torch.Tensor | None = None
+
+
+@dataclass
+class ReplayReport:
+    """What a replay or record session saw, filled while it runs.
+
+    Attributes:
+        differ: layer -> 0-dim int64, real tokens whose replayed expert set differs from the
+            trainer's own top-k (forwards only; recomputes are not counted again).
+        tokens: layer -> 0-dim int64, real tokens audited.
+        recorded: (micro-batch, layer) -> int64 [tokens, top_k] the router chose (record mode).
+        used: (micro-batch, layer) -> bool [tokens, num_experts] routing map of the forward
+            (only with ``capture=True``).
+        recomputed: (micro-batch, layer) -> bool routing map of the recompute (``capture=True``).
+        forwards, recomputes: layer -> number of router forwards / recomputes.
+    """
+
+    differ: dict[int, torch.Tensor] = field(default_factory=dict)
+    tokens: dict[int, torch.Tensor] = field(default_factory=dict)
+    recorded: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    used: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    recomputed: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    forwards: Counter = field(default_factory=Counter)
+    recomputes: Counter = field(default_factory=Counter)
+
+    def metrics(
+        self, num_layers: int, group: torch.distributed.ProcessGroup | None = None
+    ) -> dict[str, float]:
+        """Fraction of real tokens whose replayed experts differ from the trainer's own top-k.
+
+        Counts are summed over ``group`` (default: the whole world when torch.distributed is
+        initialised): sequence-parallel shards, data-parallel replicas and pipeline stages
+        (disjoint layers) all add up correctly; a collective, so every rank must call it.
+
+        Returns:
+            ``{"r3_topk_differ": overall, "r3_topk_differ_layer{n}": per MoE layer}``, fractions
+            in [0, 1]; layers without audited tokens (dense, or not audited) are left out.
+        """
+        counts = torch.zeros(num_layers + 1, 2, dtype=torch.float64)
+        for layer, differ in self.differ.items():
+            counts[layer, 0] += float(differ)
+            counts[layer, 1] += float(self.tokens[layer])
+        if torch.distributed.is_initialized():
+            torch.distributed.all_reduce(counts, group=group)
+        out = {}
+        for layer in range(1, num_layers + 1):
+            if counts[layer, 1] > 0:
+                out[f"r3_topk_differ_layer{layer}"] = float(counts[layer, 0] / counts[layer, 1])
+        total = counts[:, 1].sum()
+        if total > 0:
+            out["r3_topk_differ"] = float(counts[:, 0].sum() / total)
+        return out
+
+
+@dataclass
+class _Call:
+    """One router call in flight (between its pre-hook and its forward hook)."""
+
+    phase: str  # "forward" or "recompute"
+    micro_batch: int
+    real: torch.Tensor | None
+    own: torch.Tensor | None = None
+    replayed: torch.Tensor | None = None
+
+
+class RoutingReplay:
+    """Replay or record controller for the MoE routers of one model (all its local chunks).
+
+    Args:
+        model: the live model on this rank: one module or a list of virtual-pipeline chunks,
+            DDP-wrapped or not.
+
+    Raises:
+        ValueError: when a router cannot replay exactly (:func:`check_replayable`) or two
+            routers claim one layer number.
+    """
+
+    def __init__(self, model: torch.nn.Module | Sequence[torch.nn.Module]) -> None:
+        from megatron.core import parallel_state
+
+        chunks = list(model) if isinstance(model, Sequence) else [model]
+        self.routers: dict[int, torch.nn.Module] = {}
+        self.mtp_routers: dict[int, torch.nn.Module] = {}
+        for chunk in chunks:
+            for mapping, found in (
+                (self.routers, find_routers(chunk)),
+                (self.mtp_routers, find_mtp_routers(chunk)),
+            ):
+                for layer, router in found.items():
+                    if layer in mapping:
+                        raise ValueError(f"two model chunks hold a router for layer {layer}")
+                    mapping[layer] = router
+        for layer, router in self.routers.items():
+            check_replayable(layer, router)
+        self.layers: list[int] = sorted(self.routers)
+        config = next(iter(self.routers.values())).config if self.routers else None
+        self.num_layers = config.num_layers if config else None
+        self.sequence_parallel = bool(config and config.sequence_parallel)
+        tp_ready = parallel_state.model_parallel_is_initialized()
+        self.tp_rank = parallel_state.get_tensor_model_parallel_rank() if tp_ready else 0
+        self.tp_size = parallel_state.get_tensor_model_parallel_world_size() if tp_ready else 1
+        self._layer_of = {id(r): layer for layer, r in self.routers.items()}
+        self._mode: str | None = None
+        self._training = False
+        self._audit = False
+        self._capture = False
+        self._routes: Mapping[int, MicroBatchRoutes] = {}
+        self._current: int | None = None
+        self._calls: dict[int, _Call] = {}
+        self._ledger: dict[int, deque] = {}
+        self._report = ReplayReport()
+
+    # -- targets ---------------------------------------------------------------------------
+    def routes_for(
+        self, routes: torch.Tensor, real: torch.Tensor | None = None
+    ) -> MicroBatchRoutes:
+        """This rank's :class:`MicroBatchRoutes` from a micro-batch's routes in the model's
+        input layout.
+
+        Args:
+            routes: [B, S, L, K] expert ids (any integer dtype), L = all decoder layers.
+            real: bool [B, S], True where the routes came from the rollout engine, or None.
+
+        Raises:
+            ValueError: as :func:`megatron_sat.routing.slicing.router_targets`.
+        """
+        from megatron_sat.routing.slicing import router_token_order
+
+        if self.num_layers is None:
+            return MicroBatchRoutes(targets={}, real=None)
+        coords = dict(
+            tp_rank=self.tp_rank, tp_size=self.tp_size, sequence_parallel=self.sequence_parallel
         )
+        targets = router_targets(routes, self.layers, num_layers=self.num_layers, **coords)
+        return MicroBatchRoutes(
+            targets=targets,
+            real=None if real is None else router_token_order(real.bool(), **coords),
+        )
+
+    # -- sessions --------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def replay(
+        self,
+        routes: Mapping[int, MicroBatchRoutes],
+        *,
+        training: bool = True,
+        audit: bool = True,
+        capture: bool = False,
+    ) -> Iterator[ReplayReport]:
+        """Replay ``routes[micro_batch].targets[layer]`` in every router for the block inside.
+
+        Args:
+            routes: micro-batch index -> its :class:`MicroBatchRoutes`; each must hold a target
+                for exactly the layers of :attr:`layers` (this rank's stage).
+            training: True when backward passes (and so recomputes) run inside; False for
+                forward-only passes (a recompute then raises).
+            audit: compare the trainer's own top-k with the replayed experts (report.differ).
+            capture: keep every routing map actually used (report.used / report.recomputed).
+
+        Yields:
+            The :class:`ReplayReport` filled during the block.
+
+        Raises:
+            ValueError: on a missing or extra layer for a micro-batch (naming both), a target
+                whose shape, dtype or ids do not fit its router, or a router call whose token
+                count differs from its target's.
+            RuntimeError: when a router runs outside :meth:`micro_batch`, a recompute finds no
+                forward (or another micro-batch's) at the head of the FIFO, or a layer was
+                recomputed for some forwards but not all.
+        """
+        for mb, mb_routes in routes.items():
+            missing = sorted(set(self.layers) - set(mb_routes.targets))
+            extra = sorted(set(mb_routes.targets) - set(self.layers))
+            if missing or extra:
+                raise ValueError(
+                    f"routing replay targets of micro-batch {mb} do not match this rank's MoE "
+                    f"layers {self.layers}: missing {missing}, not in this model (or pipeline "
+                    f"stage) {extra}"
+                )
+            for layer, target in mb_routes.targets.items():
+                self._check_target(mb, layer, target, mb_routes.real)
+        with self._session("replay", training, audit, capture, routes) as report:
+            yield report
+
+    @contextlib.contextmanager
+    def record(self, *, training: bool = True, capture: bool = False) -> Iterator[ReplayReport]:
+        """Record the experts every router chooses (report.recorded[(micro_batch, layer)]).
+
+        In training, a recompute replays exactly what its forward recorded. Arguments and
+        errors as :meth:`replay`.
+        """
+        with self._session("record", training, False, capture, {}) as report:
+            yield report
+
+    @contextlib.contextmanager
+    def micro_batch(self, index: int) -> Iterator[None]:
+        """Mark the forward inside as micro-batch ``index`` (call it in the forward step).
+
+        Raises:
+            RuntimeError: outside a session, or when nested.
+            ValueError: in replay mode, for a micro-batch without routes.
+        """
+        if self._mode is None:
+            raise RuntimeError("micro_batch() outside a replay/record session")
+        if self._current is not None:
+            raise RuntimeError(f"micro_batch({index}) inside micro_batch({self._current})")
+        if self._mode == "replay" and index not in self._routes:
+            raise ValueError(
+                f"no routing replay targets for micro-batch {index} (have {sorted(self._routes)})"
+            )
+        self._current = index
+        try:
+            yield
+        finally:
+            self._current = None
+
+    # -- internals -------------------------------------------------------------------------
+    def _check_target(
+        self, mb: int, layer: int, target: torch.Tensor, real: torch.Tensor | None
+    ) -> None:
+        router = self.routers[layer]
+        num_experts, top_k = router.config.num_moe_experts, router.topk
+        where = f"routing replay target of micro-batch {mb}, layer {layer}"
+        if target.dim() != 2 or target.shape[1] != top_k:
+            raise ValueError(
+                f"{where} has shape {tuple(target.shape)}; expected [num_tokens, top_k={top_k}]"
+            )
+        if target.dtype != torch.int64:
+            raise ValueError(f"{where} has dtype {target.dtype}; expected torch.int64")
+        if target.numel() and (int(target.min()) < 0 or int(target.max()) >= num_experts):
+            raise ValueError(f"{where} holds expert ids outside [0, {num_experts})")
+        if top_k > 1 and target.numel():
+            ordered = target.sort(dim=1).values
+            if bool((ordered[:, 1:] == ordered[:, :-1]).any()):
+                raise ValueError(f"{where} repeats an expert within a token's top-k")
+        if real is not None and real.shape != (target.shape[0],):
+            raise ValueError(
+                f"{where}: real mask has shape {tuple(real.shape)}, target {target.shape[0]} rows"
+            )
+
+    @contextlib.contextmanager
+    def _session(self, mode, training, audit, capture, routes) -> Iterator[ReplayReport]:
+        if self._mode is not None:
+            raise RuntimeError(f"a {self._mode} session is already open on this model")
+        self._mode, self._training, self._audit, self._capture = mode, training, audit, capture
+        self._routes = routes
+        self._report = ReplayReport()
+        self._ledger = {layer: deque() for layer in self.layers}
+        self._calls = {}
+        self._reset_routers()
+        handles = []
+        for layer, router in self.routers.items():
+            handles.append(router.register_forward_pre_hook(self._pre_hook, with_kwargs=True))
+            handles.append(router.register_forward_hook(self._post_hook))
+            self._wrap_topk(layer, router.router_replay)
+        clean = False
+        try:
+            yield self._report
+            clean = True
+        finally:
+            for handle in handles:
+                handle.remove()
+            for router in self.routers.values():
+                vars(router.router_replay).pop("get_replay_topk", None)
+            self._reset_routers()
+            self._mode, self._routes, self._current, self._calls = None, {}, None, {}
+        if clean and training:
+            for layer in self.layers:
+                forwards = self._report.forwards[layer]
+                recomputes = self._report.recomputes[layer]
+                if recomputes not in (0, forwards):
+                    raise RuntimeError(
+                        f"layer {layer}: {forwards} router forwards but {recomputes} "
+                        "recomputes; recompute must cover every forward of a layer or none"
+                    )
+
+    def _reset_routers(self) -> None:
+        for router in [*self.routers.values(), *self.mtp_routers.values()]:
+            if router.router_replay is not None:
+                router.router_replay.clear_indices()
+                router.router_replay.clear_router_replay_action()
+
+    def _wrap_topk(self, layer: int, replay) -> None:
+        """Shadow this instance's ``get_replay_topk`` for the session: same result, plus the
+        trainer's own top-k on the same scores when auditing a replayed forward."""
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        original = replay.get_replay_topk
+
+        def get_replay_topk(scores, topk, num_groups=None, group_topk=None, default=None):
+            call = self._calls.get(layer)
+            action = replay.router_replay_action
+            probs, indices = original(scores, topk, num_groups, group_topk, default)
+            if call is not None and call.phase == "forward" and self._audit:
+                if action == RouterReplayAction.REPLAY_FORWARD:
+                    with torch.no_grad():
+                        _, own = default(
+                            scores.detach(), topk, num_groups=num_groups, group_topk=group_topk
+                        )
+                    call.own, call.replayed = own, indices
+            return probs, indices
+
+        replay.get_replay_topk = get_replay_topk
+
+    def _pre_hook(self, router, args, kwargs):
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        layer = self._layer_of[id(router)]
+        replay = router.router_replay
+        hidden = args[0] if args else kwargs["input"]
+        num_tokens = hidden.numel() // hidden.shape[-1]
+        if torch._C._current_autograd_node() is not None:  # inside a backward: a recompute
+            if not self._training:
+                raise RuntimeError(
+                    f"layer {layer} was recomputed inside a forward-only session "
+                    "(open it with training=True)"
+                )
+            if not self._ledger[layer]:
+                raise RuntimeError(f"recompute of layer {layer} has no recorded forward to reuse")
+            mb, target = self._ledger[layer].popleft()
+            head = replay.replay_backward_list[0] if replay.replay_backward_list else None
+            if head is not target:
+                raise RuntimeError(
+                    f"recompute of layer {layer} (micro-batch {mb}): megatron-core's backward "
+                    "FIFO is out of step with the forwards of this session"
+                )
+            self._check_tokens(mb, layer, target, num_tokens)
+            replay.set_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
+            self._calls[layer] = _Call("recompute", mb, None)
+            self._report.recomputes[layer] += 1
+            return None
+        mb = self._current
+        if mb is None:
+            raise RuntimeError(
+                f"router of layer {layer} ran outside RoutingReplay.micro_batch(...) while a "
+                f"{self._mode} session is open"
+            )
+        real = None
+        if self._mode == "replay":
+            mb_routes = self._routes[mb]
+            target = mb_routes.targets[layer]
+            real = mb_routes.real
+            self._check_tokens(mb, layer, target, num_tokens)
+            if self._training:
+                replay.set_target_indices(target)  # also appends to the backward FIFO
+                self._ledger[layer].append((mb, target))
+            else:
+                replay.target_topk_idx = target
+            replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+        else:
+            replay.set_router_replay_action(RouterReplayAction.RECORD)
+        self._calls[layer] = _Call("forward", mb, real)
+        self._report.forwards[layer] += 1
+        return None
+
+    def _post_hook(self, router, args, output):
+        layer = self._layer_of[id(router)]
+        replay = router.router_replay
+        call = self._calls.pop(layer)
+        replay.clear_router_replay_action()
+        key = (call.micro_batch, layer)
+        if call.phase == "recompute":
+            if self._capture:
+                self._report.recomputed[key] = output[1].detach()
+            return
+        if self._mode == "record":
+            recorded = replay.get_recorded_indices().detach()
+            self._report.recorded[key] = recorded
+            if self._training:
+                replay.replay_backward_list.append(recorded)
+                self._ledger[layer].append((call.micro_batch, recorded))
+        if self._capture:
+            self._report.used[key] = output[1].detach()
+        if call.own is not None:
+            differ = (call.own.sort(dim=1).values != call.replayed.sort(dim=1).values).any(dim=1)
+            if call.real is not None:
+                differ, count = differ & call.real, call.real.sum()
+            else:
+                count = torch.tensor(differ.numel())
+            report = self._report
+            report.differ[layer] = report.differ.get(layer, 0) + differ.sum()
+            report.tokens[layer] = report.tokens.get(layer, 0) + count
+
+    def _check_tokens(self, mb: int, layer: int, target: torch.Tensor, num_tokens: int) -> None:
+        if target.shape[0] != num_tokens:
+            raise ValueError(
+                f"routing replay target of micro-batch {mb}, layer {layer} has "
+                f"{target.shape[0]} rows but the router sees {num_tokens} tokens on this rank "
+                f"(TP rank {self.tp_rank} of {self.tp_size}, sequence_parallel="
+                f"{self.sequence_parallel})"
+            )
 
 
 @contextlib.contextmanager
-def replay_routing(model: torch.nn.Module, targets: Mapping[int, torch.Tensor]) -> Iterator[None]:
-    """Replay ``targets`` in every MoE router of ``model`` for the forward (and backward) inside.
+def replay_routing(
+    model: torch.nn.Module, targets: Mapping[int, torch.Tensor], *, training: bool = True
+) -> Iterator[ReplayReport]:
+    """Replay ``targets`` in every decoder MoE router of ``model`` for one micro-batch.
+
+    A one-micro-batch :class:`RoutingReplay` session for code that runs the forward itself.
 
     Args:
-        model: The live megatron-core model (DDP-wrapped or not) on this rank.
-        targets: Global layer number -> expert ids, int64 [num_tokens, top_k], rows in
-            megatron-core's token order for the router's input: sequence-major, i.e. row
-            ``s * batch + b`` for a [batch, seq] micro-batch (under SP, this rank's shard).
+        model: the live megatron-core model on this rank (DDP-wrapped or not).
+        targets: global layer number -> int64 [num_tokens, top_k] in the router's token order
+            (:func:`megatron_sat.routing.slicing.router_targets`).
+        training: as :meth:`RoutingReplay.replay`.
 
     Raises:
         ValueError: if a router of the model has no target (never a silent fall-back to live
-            routing), a target names a layer the model does not hold, a router lacks a
-            ``RouterReplay`` (build with ``moe_enable_routing_replay``) or uses the fused
-            router (whose path skips replay), or a target has the wrong shape or ids.
+            routing), a target names a layer the model does not hold, a router cannot replay
+            exactly (:func:`check_replayable`), or a target has the wrong shape or ids.
     """
-    from megatron.core.transformer.moe.router_replay import RouterReplayAction
-
-    routers = find_routers(model)
-    missing = sorted(set(routers) - set(targets))
-    extra = sorted(set(targets) - set(routers))
-    if missing or extra:
-        raise ValueError(
-            f"routing replay targets do not match the model's MoE layers: missing {missing}, "
-            f"not in this model (or pipeline stage) {extra}"
-        )
-    for layer, router in routers.items():
-        if router.router_replay is None:
-            raise ValueError(
-                f"router of layer {layer} has no RouterReplay: set moe_enable_routing_replay=True"
-            )
-        if router.config.moe_router_fusion:
-            raise ValueError("moe_router_fusion=True skips routing replay; turn it off for R3")
-        _check_target(layer, targets[layer], router)
-    try:
-        for layer, router in routers.items():
-            replay = router.router_replay
-            replay.clear_indices()
-            replay.set_target_indices(targets[layer].long())
-            replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
-        yield
-    finally:
-        for router in routers.values():
-            router.router_replay.clear_indices()
-            router.router_replay.clear_router_replay_action()
+    controller = RoutingReplay(model)
+    with controller.replay({0: MicroBatchRoutes(targets)}, training=training) as report:
+        with controller.micro_batch(0):
+            yield report
 
 
 @contextlib.contextmanager
 def capture_routing(model: torch.nn.Module) -> Iterator[dict[int, torch.Tensor]]:
-    """Collect the experts each router actually used, whatever the replay mode.
+    """Collect the experts each decoder router actually used, whatever the replay mode.
 
     Yields a dict filled during the block: global layer number -> bool routing map
     [num_tokens, num_experts] of the last forward through that router (detached). Used to
