@@ -6,11 +6,19 @@ predicts token t + 1, so the log-prob of response token j (absolute position P +
 position ``P + j - 1``: ``labels``, ``loss_mask``, ``rollout_log_probs`` and
 ``response_versions`` live at those positions.
 
+One index map places everything: :func:`place_tokens` takes, for every position (r, t) of the
+model's input, the sample it holds (``sample_row``, -1 for padding) and the position inside
+that sample (``sample_pos``), and builds ``input_ids``, ``labels`` and the routes from the same
+map, so routes cannot drift from tokens. The padded layout here and the packed layout of
+:mod:`megatron_sat.training.packing` are two such maps.
+
 Routes: SGLang returns ``routed_experts`` [P + R - 1, num_layers, top_k] (no row for the last
-token). A filler row is appended for the last token and for every padding position. Filler rows
-hold valid ids that differ within the row and cycle over all experts (and so over all EP ranks),
-so padding never piles onto one expert. megatron-core's router sees tokens sequence-major, so
-the per-layer target is the [S, B, K] tensor flattened to [S * B, K].
+token), all decoder layers included (dense ones too). A filler row stands in for the last token
+and for every padding position. Filler rows hold valid ids that differ within the row and cycle
+over all experts (and so over all EP ranks, whose experts are contiguous ranges), so padding
+never piles onto one expert. Routes stay in the compact dtype of the payload (uint8 up to 256
+experts, int16 above) until a router's target is cut from them
+(:func:`megatron_sat.routing.slicing.router_targets`, which widens to int64).
 """
 
 from __future__ import annotations
@@ -22,11 +30,13 @@ import numpy as np
 import torch
 
 from megatron_sat.rollout.types import Sample
+from megatron_sat.routing.payload import compact_expert_dtype
+from megatron_sat.routing.slicing import router_targets
 
 
 @dataclass
 class MicroBatch:
-    """One micro-batch of B samples padded to S tokens.
+    """One micro-batch of B samples padded to S tokens (model layout = sample layout).
 
     Attributes:
         input_ids: int64 [B, S].
@@ -36,8 +46,8 @@ class MicroBatch:
         rollout_log_probs: float32 [B, S], log mu of the label token (0 where inactive).
         response_versions: int64 [B, S], policy version that sampled the label (-1 inactive).
         advantages: float32 [B], one per sample.
-        routes: int64 [B, S, L, K] expert ids per token and MoE layer (filler rows included), or
-            None without routing data.
+        routes: [B, S, L, K] expert ids per token and decoder layer (dense layers included,
+            filler rows included), uint8 (<= 256 experts) or int16; None without routing data.
         routes_valid: bool [B, S], True where ``routes`` came from the rollout engine.
         sample_indices: the ``Sample.index`` of each row.
     """
@@ -53,36 +63,65 @@ class MicroBatch:
     routes_valid: torch.Tensor
     sample_indices: list[int]
 
-    def routing_targets(self) -> dict[int, torch.Tensor]:
-        """Global 1-based layer number -> int64 [S * B, K] in the router's token order."""
+    @property
+    def attention_mask(self) -> None:
+        """No explicit mask: megatron-core's default causal mask is right for one sample per
+        row (packed rows carry a block-diagonal one, see ``training.packing``)."""
+        return None
+
+    @property
+    def samples(self) -> MicroBatch:
+        """The per-sample view the losses read (this micro-batch itself)."""
+        return self
+
+    @property
+    def active(self) -> torch.Tensor:
+        """bool [B, S] in the model layout: positions whose outputs give response log-probs."""
+        return self.loss_mask.bool()
+
+    def to_sample_layout(self, x: torch.Tensor) -> torch.Tensor:
+        """Model layout [B, S, ...] -> sample layout [B, S, ...]: the identity here."""
+        return x
+
+    def routing_targets(self, layers: Sequence[int] | None = None) -> dict[int, torch.Tensor]:
+        """Global 1-based layer number -> int64 [S * B, K] in the router's token order, for a
+        single rank without sequence parallelism (use
+        :meth:`megatron_sat.routing.replay.RoutingReplay.routes_for` on a parallel model).
+
+        Args:
+            layers: the MoE layer numbers to cut (default: every decoder layer, which fits only
+                an all-MoE model: dense layers have no router to take their rows).
+
+        Raises:
+            ValueError: without routing data, or as :func:`router_targets`.
+        """
         if self.routes is None:
             raise ValueError("this micro-batch carries no routing data (R3 needs routed experts)")
-        routes = self.routes.transpose(0, 1)  # [S, B, L, K]: sequence-major like the router
-        seq, batch, layers, top_k = routes.shape
-        return {
-            layer + 1: routes[:, :, layer].reshape(seq * batch, top_k).contiguous()
-            for layer in range(layers)
-        }
+        num_layers = self.routes.shape[2]
+        layers = range(1, num_layers + 1) if layers is None else layers
+        return router_targets(self.routes, layers, num_layers=num_layers)
 
 
 def filler_routes(num_rows: int, top_k: int, num_experts: int, start: int = 0) -> np.ndarray:
     """Expert ids [num_rows, top_k] for rows without rollout routes.
 
     Row i holds experts ``((start + i) * top_k + j) % num_experts``: distinct within a row
-    (top_k <= num_experts) and spread evenly over all experts.
+    (top_k <= num_experts) and spread evenly over all experts, hence over all EP ranks.
+
+    Raises:
+        ValueError: if top_k > num_experts (no row of distinct ids exists).
     """
+    if top_k > num_experts:
+        raise ValueError(f"top_k={top_k} > num_experts={num_experts}")
     rows = np.arange(start, start + num_rows)[:, None] * top_k + np.arange(top_k)[None, :]
     return rows % num_experts
 
 
-def aligned_routes(
-    sample: Sample, seq_len: int, num_layers: int, top_k: int, num_experts: int
-) -> tuple[np.ndarray, int]:
-    """The sample's routes padded to ``seq_len`` rows: (int64 [S, L, K], number of real rows).
+def check_sample_routes(sample: Sample, num_layers: int, top_k: int, num_experts: int) -> None:
+    """Raise ``ValueError`` naming the sample unless its ``routed_experts`` is
+    [P + R - 1, num_layers, top_k] with ids in [0, num_experts).
 
-    Raises:
-        ValueError: naming the sample when its ``routed_experts`` is missing or its shape is not
-            [P + R - 1, num_layers, top_k], or when an id is outside [0, num_experts).
+    ``num_layers`` counts every decoder layer (SGLang's payload has rows for dense layers too).
     """
     routed = sample.routed_experts
     expected = (sample.num_tokens - 1, num_layers, top_k)
@@ -93,15 +132,107 @@ def aligned_routes(
             f"sample {sample.index}: routed_experts has shape {tuple(routed.shape)}, expected "
             f"{expected} = [prompt {len(sample.prompt_ids)} + response "
             f"{len(sample.response_ids)} - 1 tokens, {num_layers} layers, top_k {top_k}]"
+            + (
+                f"; it has {routed.shape[1]} layers, the model has {num_layers}"
+                if routed.ndim == 3 and routed.shape[1] != num_layers
+                else ""
+            )
         )
     if routed.size and (routed.min() < 0 or routed.max() >= num_experts):
         raise ValueError(f"sample {sample.index}: routed_experts ids outside [0, {num_experts})")
-    real = expected[0]
-    out = np.empty((seq_len, num_layers, top_k), dtype=np.int64)
-    out[:real] = routed
-    filler = filler_routes(seq_len - real, top_k, num_experts, start=real)
-    out[real:] = filler[:, None, :]
-    return out, real
+
+
+@dataclass
+class PlacedTokens:
+    """Tokens and routes placed by an index map (see :func:`place_tokens`), model layout.
+
+    Attributes:
+        input_ids: int64 [R, T].
+        labels: int64 [R, T], the next token of the same sample (0 at its last token and at
+            padding).
+        routes: [R, T, L, K] compact dtype, or None.
+        routes_valid: bool [R, T], True where the route is the rollout engine's.
+    """
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    routes: torch.Tensor | None
+    routes_valid: torch.Tensor
+
+
+def place_tokens(
+    samples: Sequence[Sample],
+    sample_row: torch.Tensor,
+    sample_pos: torch.Tensor,
+    *,
+    pad_token_id: int,
+    routing_shape: tuple[int, int, int] | None,
+) -> PlacedTokens:
+    """Build model-layout tokens, labels and routes from one index map.
+
+    Args:
+        samples: the samples referenced by the map.
+        sample_row: int64 [R, T], index into ``samples`` of the sample at each position, -1 for
+            padding.
+        sample_pos: int64 [R, T], position inside that sample (ignored at padding).
+        pad_token_id: token written at padding.
+        routing_shape: (num_layers, top_k, num_experts) to place routes, or None.
+
+    Raises:
+        ValueError: on bad routes (naming the sample, see :func:`check_sample_routes`) or a map
+            that points outside a sample.
+    """
+    rows, seq = sample_row.shape
+    real = sample_row >= 0
+    tokens = [torch.tensor(s.prompt_ids + s.response_ids, dtype=torch.long) for s in samples]
+    lengths = torch.tensor([len(t) for t in tokens], dtype=torch.long)
+    offsets = torch.cumsum(lengths, 0) - lengths
+    flat_tokens = torch.cat(tokens) if tokens else torch.zeros(0, dtype=torch.long)
+    src_row = sample_row.clamp(min=0)
+    if bool((real & ((sample_pos < 0) | (sample_pos >= lengths[src_row]))).any()):
+        raise ValueError("index map points outside a sample")
+    flat_index = offsets[src_row] + sample_pos.clamp(min=0)
+    input_ids = torch.where(real, flat_tokens[flat_index.clamp(max=len(flat_tokens) - 1)], 0)
+    input_ids = input_ids.masked_fill(~real, pad_token_id)
+    has_next = real & (sample_pos + 1 < lengths[src_row])
+    next_ids = flat_tokens[(flat_index + 1).clamp(max=len(flat_tokens) - 1)]
+    labels = torch.where(has_next, next_ids, 0)
+    routes = None
+    routes_valid = has_next  # a token has a rollout route iff it is not its sample's last
+    if routing_shape is not None:
+        num_layers, top_k, num_experts = routing_shape
+        for s in samples:
+            check_sample_routes(s, num_layers, top_k, num_experts)
+        dtype = torch.from_numpy(np.zeros(0, dtype=compact_expert_dtype(num_experts))).dtype
+        filler = torch.from_numpy(filler_routes(rows * seq, top_k, num_experts)).to(dtype)
+        routes = filler.view(rows, seq, 1, top_k).expand(rows, seq, num_layers, top_k).clone()
+        if samples:
+            flat_routes = torch.cat(
+                [
+                    torch.from_numpy(np.ascontiguousarray(s.routed_experts)).to(dtype)
+                    for s in samples
+                ]
+            )
+            route_offsets = offsets - torch.arange(len(samples))  # each sample has len - 1 rows
+            take = route_offsets[src_row] + sample_pos.clamp(min=0)
+            routes[routes_valid] = flat_routes[take[routes_valid]]
+    return PlacedTokens(input_ids, labels, routes, routes_valid)
+
+
+def _sample_fields(s: Sample) -> tuple[int, int, torch.Tensor]:
+    p, r = len(s.prompt_ids), len(s.response_ids)
+    if p == 0:
+        raise ValueError(f"sample {s.index} has an empty prompt")
+    if len(s.rollout_log_probs) != r or len(s.response_versions) != r:
+        raise ValueError(
+            f"sample {s.index}: {r} response tokens but {len(s.rollout_log_probs)} "
+            f"rollout_log_probs and {len(s.response_versions)} response_versions"
+        )
+    lp = torch.tensor(s.rollout_log_probs, dtype=torch.float32)
+    if not torch.isfinite(lp).all():
+        bad = int((~torch.isfinite(lp)).nonzero()[0])
+        raise ValueError(f"sample {s.index}: rollout_log_probs[{bad}] = {lp[bad].item()}")
+    return p, r, lp
 
 
 def build_micro_batch(
@@ -118,7 +249,8 @@ def build_micro_batch(
         samples: B samples with at least one prompt token each.
         advantages: B per-sample advantages.
         pad_token_id: Token id written at padding positions.
-        routing_shape: (num_layers, top_k, num_experts) to align routes for R3, or None.
+        routing_shape: (num_layers, top_k, num_experts) to align routes for R3, or None;
+            num_layers counts every decoder layer (dense included).
         pad_to_multiple_of: Round S up (e.g. to the TP size for sequence parallelism).
 
     Raises:
@@ -134,48 +266,37 @@ def build_micro_batch(
     seq = max(s.num_tokens for s in samples)
     seq = -(-seq // pad_to_multiple_of) * pad_to_multiple_of
     b = len(samples)
-    input_ids = torch.full((b, seq), pad_token_id, dtype=torch.long)
-    labels = torch.zeros((b, seq), dtype=torch.long)
     loss_mask = torch.zeros((b, seq), dtype=torch.float32)
     rollout_lp = torch.zeros((b, seq), dtype=torch.float32)
     versions = torch.full((b, seq), -1, dtype=torch.long)
-    routes_valid = torch.zeros((b, seq), dtype=torch.bool)
-    routes = None
-    if routing_shape is not None:
-        routes = torch.empty((b, seq, routing_shape[0], routing_shape[1]), dtype=torch.long)
+    sample_row = torch.full((b, seq), -1, dtype=torch.long)
     for row, s in enumerate(samples):
-        p, r = len(s.prompt_ids), len(s.response_ids)
-        if p == 0:
-            raise ValueError(f"sample {s.index} has an empty prompt")
-        if len(s.rollout_log_probs) != r or len(s.response_versions) != r:
-            raise ValueError(
-                f"sample {s.index}: {r} response tokens but {len(s.rollout_log_probs)} "
-                f"rollout_log_probs and {len(s.response_versions)} response_versions"
-            )
-        lp = torch.tensor(s.rollout_log_probs, dtype=torch.float32)
-        if not torch.isfinite(lp).all():
-            bad = int((~torch.isfinite(lp)).nonzero()[0])
-            raise ValueError(f"sample {s.index}: rollout_log_probs[{bad}] = {lp[bad].item()}")
-        tokens = torch.tensor(s.prompt_ids + s.response_ids, dtype=torch.long)
-        input_ids[row, : p + r] = tokens
-        labels[row, : p + r - 1] = tokens[1:]
+        p, r, lp = _sample_fields(s)
+        sample_row[row, : p + r] = row
         loss_mask[row, p - 1 : p + r - 1] = 1.0
         rollout_lp[row, p - 1 : p + r - 1] = lp
         versions[row, p - 1 : p + r - 1] = torch.tensor(s.response_versions, dtype=torch.long)
-        if routes is not None:
-            aligned, real = aligned_routes(s, seq, *routing_shape)
-            routes[row] = torch.from_numpy(aligned)
-            routes_valid[row, :real] = True
     position_ids = torch.arange(seq, dtype=torch.long).expand(b, seq).contiguous()
+    placed = place_tokens(
+        samples,
+        sample_row,
+        position_ids,
+        pad_token_id=pad_token_id,
+        routing_shape=routing_shape,
+    )
     return MicroBatch(
-        input_ids=input_ids,
+        input_ids=placed.input_ids,
         position_ids=position_ids,
-        labels=labels,
+        labels=placed.labels,
         loss_mask=loss_mask,
         rollout_log_probs=rollout_lp,
         response_versions=versions,
         advantages=advantages,
-        routes=routes,
-        routes_valid=routes_valid,
+        routes=placed.routes,
+        routes_valid=(
+            placed.routes_valid
+            if placed.routes is not None
+            else torch.zeros((b, seq), dtype=torch.bool)
+        ),
         sample_indices=[s.index for s in samples],
     )

@@ -1,51 +1,167 @@
-"""Per-token log-probabilities from a megatron-core GPT forward, and routing agreement."""
+"""Per-token log-probabilities from a megatron-core GPT forward, routing agreement, and the
+pipeline-schedule driver that runs forward/backward over micro-batches with R3 replay.
+
+Batches are :class:`~megatron_sat.training.batching.MicroBatch` (one sample per row) or
+:class:`~megatron_sat.training.packing.PackedMicroBatch` (several per row); both give the model
+input (``input_ids``, ``position_ids``, ``attention_mask``, ``labels``) in the model layout and
+map model outputs back to the per-sample layout the losses read (``to_sample_layout``).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 
 from megatron_sat.training.batching import MicroBatch
+from megatron_sat.training.packing import PackedMicroBatch, use_position_ids_for_rope
+
+Batch = MicroBatch | PackedMicroBatch
 
 
-def forward_log_probs(model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
-    """log pi(labels[b, t] | input_ids[b, :t+1]) for every position: float32 [B, S].
+def model_log_probs(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+    """One forward on ``batch``: per-token log pi(label) in the model layout, float32 [R, T].
 
-    Uses megatron-core's vocab-parallel cross entropy (``labels=`` forward), so it holds under
-    tensor parallelism without gathering the vocabulary. Positions outside ``mb.loss_mask``
-    hold log-probs of padding labels: mask them.
+    On a pipeline stage other than the last, the stage's output hidden states instead (what
+    megatron-core's GPTModel returns there). Uses megatron-core's vocab-parallel cross entropy
+    (``labels=`` forward), so it holds under tensor parallelism without gathering the
+    vocabulary. For a packed batch, RoPE is first made to follow ``position_ids``
+    (:func:`use_position_ids_for_rope`, idempotent).
     """
-    per_token_ce = model(mb.input_ids, mb.position_ids, None, labels=mb.labels)
-    return -per_token_ce.float()
+    if isinstance(batch, PackedMicroBatch):
+        use_position_ids_for_rope(model)
+    out = model(batch.input_ids, batch.position_ids, batch.attention_mask, labels=batch.labels)
+    return -out.float() if out.dim() == 2 else out
+
+
+def forward_log_probs(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+    """log pi(labels | prefix) of every position in the sample layout: float32 [N, S].
+
+    Positions outside ``batch.samples.loss_mask`` hold log-probs of padding labels (or 0 where
+    a packed batch has no token for that sample position): mask them.
+    """
+    return batch.to_sample_layout(model_log_probs(model, batch))
 
 
 def routing_agreement(
-    captured: Mapping[int, torch.Tensor], mb: MicroBatch
+    captured: Mapping[int, torch.Tensor], batch: Batch
 ) -> dict[str, torch.Tensor]:
     """How often the experts a forward used equal the rollout engine's, per layer and overall.
 
+    Single rank without sequence parallelism (under SP/PP use the audit of
+    :class:`megatron_sat.routing.replay.RoutingReplay`).
+
     Args:
-        captured: Layer number -> bool routing map [S * B, E] from
+        captured: Layer number -> bool routing map [T * R, E] from
             :func:`megatron_sat.routing.replay.capture_routing`.
-        mb: The micro-batch whose ``routes`` hold the rollout engine's experts.
+        batch: The micro-batch whose ``routes`` hold the rollout engine's experts.
 
     Returns:
-        ``{"topk_match": fraction, "topk_match_layer{l}": fraction, ...}`` over the positions of
-        ``mb.loss_mask`` (the tokens whose hidden states give response log-probs), counting a
-        token as a match when its set of top-k experts is identical. 0-dim float tensors.
+        ``{"topk_match": fraction, "topk_match_layer{l}": fraction, ...}`` over ``batch.active``
+        (the tokens whose hidden states give response log-probs), counting a token as a match
+        when its set of top-k experts is identical. 0-dim float tensors.
+
+    Raises:
+        ValueError: without routes, or when a captured map does not have one row per token.
     """
-    if mb.routes is None:
+    if batch.routes is None:
         raise ValueError("micro-batch has no rollout routes to compare with")
-    batch, seq = mb.input_ids.shape
-    active = mb.loss_mask.bool().transpose(0, 1).reshape(-1)  # sequence-major like the router
+    rows, seq = batch.input_ids.shape
+    active = batch.active.transpose(0, 1).reshape(-1)  # sequence-major like the router
     out: dict[str, torch.Tensor] = {}
     matches = []
     for layer, used in sorted(captured.items()):
-        rollout = mb.routes[:, :, layer - 1].transpose(0, 1).reshape(seq * batch, -1)
+        if used.shape[0] != rows * seq:
+            raise ValueError(
+                f"layer {layer}: captured {used.shape[0]} tokens, the batch has {rows * seq}"
+            )
+        rollout = batch.routes[:, :, layer - 1].transpose(0, 1).reshape(seq * rows, -1).long()
         rollout_map = torch.zeros_like(used).scatter_(1, rollout, True)
         same = (rollout_map == used).all(dim=1)[active].float()
         out[f"topk_match_layer{layer}"] = same.mean()
         matches.append(same)
     out["topk_match"] = torch.cat(matches).mean()
     return out
+
+
+LossFn = Callable[[torch.Tensor, Batch, int], tuple[torch.Tensor, dict[str, Any]]]
+
+
+def forward_backward(
+    model_chunks: Sequence[torch.nn.Module],
+    batches: Sequence[Batch],
+    loss_fn: LossFn,
+    *,
+    replay: Any | None = None,
+    forward_only: bool = False,
+) -> list[dict[str, Any]]:
+    """Run megatron-core's schedule (``get_forward_backward_func``: no pipelining, or 1F1B
+    under pipeline parallelism) over ``batches``, with R3 micro-batch keying.
+
+    Args:
+        model_chunks: this rank's model chunk(s) (one per virtual stage; DDP-wrapped or not).
+        batches: the micro-batches, all of one shape [R, T] under pipeline parallelism.
+        loss_fn: ``(log_probs [N, S] sample layout, batch, index) -> (loss, metrics)``, run on
+            the last stage. The loss must already be normalised by batch-global denominators:
+            the schedule adds the micro-batch losses' gradients as they are.
+        replay: a :class:`megatron_sat.routing.replay.RoutingReplay` whose replay/record
+            session is open around this call; each forward runs inside its
+            ``micro_batch(index)``. None routes live.
+        forward_only: no backward (wrap the call in ``torch.no_grad()`` yourself).
+
+    Returns:
+        On the last pipeline stage, per micro-batch the metrics ``loss_fn`` returned plus
+        ``"loss"`` (detached clone); elsewhere an empty list.
+
+    Raises:
+        ValueError: if the model config lacks ``calculate_per_token_loss=True`` (without it the
+            schedule divides every loss by the micro-batch count), has a
+            ``finalize_model_grads_func`` (it would divide gradients by the token count; call
+            ``finalize_model_grads(model_chunks)`` yourself after), or under pipeline
+            parallelism the batches differ in shape.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.utils import get_model_config
+
+    config = get_model_config(model_chunks[0])
+    if not config.calculate_per_token_loss:
+        raise ValueError(
+            "forward_backward needs TransformerConfig.calculate_per_token_loss=True: losses "
+            "here are normalised by batch-global denominators and must not be rescaled"
+        )
+    if config.finalize_model_grads_func is not None:
+        raise ValueError(
+            "forward_backward: unset config.finalize_model_grads_func (the schedule would "
+            "divide gradients by the token count); call finalize_model_grads(model) after"
+        )
+    shapes = {tuple(b.input_ids.shape) for b in batches}
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1 and len(shapes) > 1:
+        raise ValueError(f"pipeline parallelism needs one micro-batch shape, got {shapes}")
+    rows, seq = batches[0].input_ids.shape
+
+    def forward_step(data_iterator, model):
+        index, batch = next(data_iterator)
+        ctx = replay.micro_batch(index) if replay is not None else contextlib.nullcontext()
+        with ctx:
+            output = model_log_probs(model, batch)
+
+        def loss_func(output_tensor):
+            loss, metrics = loss_fn(batch.to_sample_layout(output_tensor), batch, index)
+            metrics = dict(metrics, loss=loss.detach().clone())
+            num_tokens = batch.samples.loss_mask.sum().to(torch.int)
+            return loss, num_tokens, metrics
+
+        return output, loss_func
+
+    return get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iter(list(enumerate(batches))),
+        model=list(model_chunks),
+        num_microbatches=len(batches),
+        seq_length=seq,
+        micro_batch_size=rows,
+        forward_only=forward_only,
+    )
