@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -454,3 +455,18 @@ def test_config_yaml_of_recipe_is_the_committed_one():
         "parallel",
         "launch",
     }
+
+
+def test_gpu_check_script_skips_with_a_message_on_cpu():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present: run tests/gpu/check_gpu.py itself")
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tests/gpu/check_gpu.py")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("SKIP: no CUDA device")
