@@ -1,0 +1,71 @@
+"""Sharded HF <-> megatron-core conversion for every architecture: ONE torchrun launch (2 gloo
+ranks, tests/dist/ckpt_parallel.py) covers TP2, EP2 and PP2 round trips and logits, an EP2
+distributed checkpoint loaded at EP1, and the CLI resharding EP2 -> TP2; then this process (a
+world of 1) converts the EP2 checkpoint written by 2 ranks."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_sat.checkpoint import convert
+from megatron_sat.checkpoint.hf_io import read_hf_tensors
+from megatron_sat.checkpoint.tiny_models import TINY_CONFIGS
+
+ROOT = Path(__file__).resolve().parents[1]
+ARCHS = sorted(TINY_CONFIGS)
+LAYOUTS = ("tp2", "ep2", "pp2", "ep2_ckpt_at_ep1")
+
+
+@pytest.fixture(scope="module")
+def launch(tmp_path_factory) -> tuple[dict, Path]:
+    root = tmp_path_factory.mktemp("ckpt_parallel")
+    torchrun = Path(sys.executable).with_name("torchrun")
+    cmd = [str(torchrun), "--nproc_per_node=2", "tests/dist/ckpt_parallel.py", str(root)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("CKPT_RESULT ")]
+    assert proc.returncode == 0 and len(lines) == 1, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return json.loads(lines[0][len("CKPT_RESULT ") :]), root
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_sharded_round_trip_is_bitwise_and_logits_match(launch, arch, layout):
+    case = launch[0][arch][layout]
+    assert case["bitwise"], case["mismatch"]
+    assert case["num_tensors"] > 30
+    assert case["max_abs_diff"] is not None and case["max_abs_diff"] <= 1e-4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ARCHS)
+def test_ep2_checkpoint_gives_the_same_logits_at_ep1(launch, arch):
+    assert launch[0][arch]["ep2_ckpt_at_ep1"]["max_abs_diff_vs_ep2"] == 0.0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ARCHS)
+def test_cli_reshards_and_refuses_to_overwrite(launch, arch):
+    cli = launch[0][arch]["cli"]
+    assert cli["bitwise"], cli["mismatch"]
+    assert cli["config_equal"] and cli["has_index"] and cli["tokenizer_copied"]
+    assert cli["refused_without_overwrite"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ARCHS)
+def test_two_rank_checkpoint_converts_in_one_process(launch, arch, megatron_world, tmp_path):
+    root = launch[1] / arch
+    out = tmp_path / "hf"
+    convert.main(["mcore-to-hf", "--mcore-dir", str(root / "mcore_ep2"), "--out-dir", str(out)])
+    original, written = read_hf_tensors(root / "hf"), read_hf_tensors(out)
+    assert sorted(written) == sorted(original)
+    assert all(torch.equal(written[k], v) for k, v in original.items())
