@@ -27,7 +27,7 @@ setup(
     ],
     extras_require={
         "test": ["pytest==9.2.0", "ruff==0.17.5"],
-        "gpu": ["transformer-engine[pytorch]", "sglang==0.5.23"],
+        "gpu": ["transformer-engine[pytorch]==2.20.2", "sglang==0.5.23"],
     },
     entry_points={"console_scripts": ["megatron-sat=megatron_sat.cli:main"]},
 )
