@@ -470,3 +470,19 @@ def test_gpu_check_script_skips_with_a_message_on_cpu():
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("SKIP: no CUDA device")
+
+
+def test_convert_subcommand_reaches_the_converter(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["convert", "--help"])
+    assert exit_info.value.code == 0
+    assert "hf-to-mcore" in capsys.readouterr().out
+
+
+def test_launch_subcommand_prints_the_script_path(tmp_path, capsys):
+    argv = ["launch", "--config", str(RECIPE), "--launcher", "slurm", f"run_dir={tmp_path}"]
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    assert out.strip() == str(tmp_path / "launch" / "job.sbatch")
+    assert f"run it with: sbatch {tmp_path / 'launch' / 'job.sbatch'}" in err
+    assert (tmp_path / "logs").is_dir()  # sbatch --output needs the directory at submit time
