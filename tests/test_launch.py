@@ -486,3 +486,17 @@ def test_launch_subcommand_prints_the_script_path(tmp_path, capsys):
     assert out.strip() == str(tmp_path / "launch" / "job.sbatch")
     assert f"run it with: sbatch {tmp_path / 'launch' / 'job.sbatch'}" in err
     assert (tmp_path / "logs").is_dir()  # sbatch --output needs the directory at submit time
+
+
+def test_weight_sync_options_follow_the_launch_section():
+    from megatron_sat.launch.sync import weight_sync_options
+
+    cfg = load_config(RECIPE)
+    opts = weight_sync_options(cfg.launch, 1, {"MASTER_ADDR": "node017"})
+    assert opts == {"master_address": "node017", "backend": "nccl", "ranks_per_server": [4]}
+    cpu = load_config(ROOT / "examples/configs/tiny_cpu_launch.yaml").launch
+    assert weight_sync_options(cpu, 2, {}) == {
+        "master_address": "127.0.0.1",
+        "backend": "gloo",
+        "ranks_per_server": [1, 1],
+    }
