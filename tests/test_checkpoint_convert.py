@@ -117,3 +117,22 @@ def test_tool_script_is_the_same_cli():
         check=True,
     )
     assert "--overwrite" in result.stdout and "--max-shard-size" in result.stdout
+
+
+def test_megatron_core_workarounds_still_target_upstream_code():
+    """Fails when megatron-core moves what our two CPU workarounds patch (see their docs)."""
+    import inspect
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    from megatron_sat.checkpoint.dist_ckpt import apply_dist_checkpointing_fixes
+
+    assert hasattr(filesystem_async, "HAVE_PSUTIL")
+    assert "_process_memory()" in inspect.getsource(filesystem_async)
+    apply_dist_checkpointing_fixes()
+    assert isinstance(filesystem_async._process_memory(), int)
+    # models.registry._tensor_cuda_is_identity_on_cpu exists for this call (tied, PP > 1).
+    assert "weight.data.cuda()" in inspect.getsource(
+        LanguageModule.setup_embeddings_and_output_layer
+    )

@@ -153,7 +153,8 @@ def broadcast_from_rank0(value: Any) -> Any:
 
 class ShardWriter:
     """Writes ``(name, tensor)`` pairs into safetensors shards of at most ``max_shard_bytes``
-    and, on :meth:`close`, renames them ``model-0000i-of-0000N.safetensors`` and writes
+    (a tensor larger than that gets a shard of its own) and, on :meth:`close`, renames them
+    ``model-0000i-of-0000N.safetensors`` (``model.safetensors`` when there is one) and writes
     ``model.safetensors.index.json`` (``metadata.total_size`` in bytes, ``weight_map``)."""
 
     def __init__(self, out_dir: Path, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:
@@ -193,6 +194,8 @@ class ShardWriter:
             self._flush()
         n = len(self._files)
         names = [self.out / f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        if n == 1:  # transformers' name for an unsharded checkpoint
+            names = [self.out / "model.safetensors"]
         for tmp, final in zip(self._files, names, strict=True):
             tmp.rename(final)
         index = {
@@ -230,7 +233,8 @@ def write_hf_checkpoint(
 ) -> Path:
     """Write ``(hf_name, tensor)`` pairs as an HF checkpoint: sharded safetensors with index,
     ``config.json`` and the tokenizer files of ``tokenizer_dir``. Rank 0 writes; other ranks
-    consume ``tensors`` (it may be a collective iterator) and write nothing.
+    consume ``tensors`` (it may be a collective iterator) and write nothing. Tensors are
+    written as they come (one shard in memory at a time).
 
     Raises:
         FileExistsError: when ``out_dir`` is not empty and ``overwrite`` is False.
@@ -264,9 +268,9 @@ def save_model_as_hf(
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
 ) -> Path:
     """Write ``model`` (any TP/EP/PP; collective) as an HF checkpoint that
-    ``AutoModelForCausalLM.from_pretrained`` loads: ``model-*.safetensors`` shards (per-expert
-    keys) with ``model.safetensors.index.json``, ``config.json`` and, from ``tokenizer_dir``,
-    the tokenizer files.
+    ``AutoModelForCausalLM.from_pretrained`` loads: safetensors shards (per-expert keys;
+    ``model.safetensors`` when one shard suffices) with ``model.safetensors.index.json``,
+    ``config.json`` and, from ``tokenizer_dir``, the tokenizer files.
 
     With ``overwrite`` the previous checkpoint files of ``out_dir`` are replaced and other files
     (a tokenizer saved there first) kept.
