@@ -311,7 +311,11 @@ def test_rendered_scripts_are_valid_bash_with_the_plan(launcher, tmp_path):
         assert "--nproc-per-node=4 --master-addr=127.0.0.1 --master-port=29500" in text
     if launcher == "slurm":
         assert "#SBATCH --nodes=1" in text and "#SBATCH --gres=gpu:8" in text
-        assert '--nodelist="${NODES[0]}" --gres=gpu:4 --output="$LOG_DIR/server_0_%N.log"' in text
+        assert (
+            '--nodelist="${NODES[0]}" --output="$LOG_DIR/server_0_%N.log" '
+            'env CUDA_VISIBLE_DEVICES=4,5,6,7 "$PY" -m sglang.launch_server' in text
+        )
+        assert "export CUDA_VISIBLE_DEVICES=0,1,2,3; exec" in text
         assert '--node-rank="$SLURM_PROCID" --nproc-per-node=4' in text
         assert '--output="$LOG_DIR/trainer_%N.log"' in text
     if launcher == "mpirun":
@@ -344,7 +348,10 @@ def test_sbatch_for_many_nodes_places_servers_on_rollout_nodes(tmp_path):
     assert plan.sync_world_size == 9
     text = prepare_launch(cfg).script_path.read_text()
     assert "#SBATCH --nodes=3" in text
-    assert text.count('--nodelist="${NODES[2]}" --gres=gpu:2') == 4
+    for devices in ("0,1", "2,3", "4,5", "6,7"):
+        assert f"env CUDA_VISIBLE_DEVICES={devices} " in text
+    assert text.count('--nodelist="${NODES[2]}"') == 4
+    assert "export CUDA_VISIBLE_DEVICES=0,1,2,3,4,5,6,7; exec" in text
     assert '--nnodes=2 --node-rank="$SLURM_PROCID" --nproc-per-node=8' in text
     assert 'TRAINER_NODELIST="$(IFS=,; echo "${NODES[*]:0:2}")"' in text
 
@@ -500,3 +507,36 @@ def test_weight_sync_options_follow_the_launch_section():
         "backend": "gloo",
         "ranks_per_server": [1, 1],
     }
+
+
+RENDERED = ROOT / "examples/rendered"
+
+
+def _render_recipe(launcher: str) -> str:
+    from megatron_sat.launch.render import RenderContext, render
+
+    cfg = load_config(RECIPE, [f"launch.launcher={launcher}", "launch.hosts=[node0]"])
+    ctx = RenderContext(
+        config_path="runs/qwen3_30b_a3b_sat_gspo_r3/launch/config.yaml",
+        model_path=cfg.init_checkpoint,
+        workdir="/path/to/megatron-sat",
+        python=".venv/bin/python",
+        log_dir="/path/to/megatron-sat/runs/qwen3_30b_a3b_sat_gspo_r3/logs",
+        seed=cfg.train.seed,
+        max_running_requests=cfg.rollout.prompts_per_step * cfg.rollout.group_size,
+    )
+    return render(resolve_plan(cfg), ctx)
+
+
+@pytest.mark.parametrize(
+    "launcher,name", [("torchrun", "torchrun.sh"), ("slurm", "job.sbatch"), ("mpirun", "mpirun.sh")]
+)
+def test_rendered_examples_are_current(launcher, name):
+    """examples/rendered/ holds the paper recipe's scripts as `megatron-sat launch` renders them
+    (placeholder paths); regenerate with REGENERATE_RENDERED=1 pytest -k rendered_examples."""
+    import os
+
+    text = _render_recipe(launcher)
+    if os.environ.get("REGENERATE_RENDERED"):
+        (RENDERED / name).write_text(text)
+    assert (RENDERED / name).read_text() == text

@@ -218,13 +218,14 @@ def render_sbatch(plan: LaunchPlan, ctx: RenderContext) -> str:
         'echo "job $SLURM_JOB_ID: nodes ${NODES[*]}; trainer on $TRAINER_NODELIST" >&2',
         "URLS=()",
     ]
-    gres = (lambda n: f" --gres=gpu:{n}") if la.device == "cuda" else (lambda n: "")
+    # Steps get every GPU of the job (SLURM's default for a step without --gres) and share
+    # the node with --overlap; CUDA_VISIBLE_DEVICES picks the plan's devices, as in torchrun.
     for s in plan.servers:
         argv = " ".join(_q(a) for a in server_command(plan, ctx, s))
+        env = f"env CUDA_VISIBLE_DEVICES={_devices(s.devices)} " if la.device == "cuda" else ""
         lines += [
-            f'srun --overlap --nodes=1 --ntasks=1 --nodelist="${{NODES[{s.node}]}}"'
-            f"{gres(len(s.devices))} "
-            f'--output="$LOG_DIR/server_{s.index}_%N.log" "$PY" {argv} &',
+            f'srun --overlap --nodes=1 --ntasks=1 --nodelist="${{NODES[{s.node}]}}" '
+            f'--output="$LOG_DIR/server_{s.index}_%N.log" {env}"$PY" {argv} &',
             "SERVER_PIDS+=($!)",
             f'URLS+=("\\"http://${{NODES[{s.node}]}}:{s.port}\\"")',
         ]
@@ -234,8 +235,10 @@ def render_sbatch(plan: LaunchPlan, ctx: RenderContext) -> str:
             f'"$LOG_DIR/server_{s.index}_${{NODES[{s.node}]}}.log"'
         )
     lines += _urls_line(plan)
+    visible = _devices(range(la.trainer_ranks_per_node))
     inner = (
-        f'exec "$0" -m torch.distributed.run --nnodes={la.trainer_nodes} '
+        (f"export CUDA_VISIBLE_DEVICES={visible}; " if la.device == "cuda" else "")
+        + f'exec "$0" -m torch.distributed.run --nnodes={la.trainer_nodes} '
         f'--node-rank="$SLURM_PROCID" --nproc-per-node={la.trainer_ranks_per_node} '
         f'--master-addr="$1" --master-port={la.master_port} {_trainer_args(ctx)} '
         '${2:+"rollout.server_urls=$2"}'
@@ -243,7 +246,7 @@ def render_sbatch(plan: LaunchPlan, ctx: RenderContext) -> str:
     lines += [
         "set +e",
         f"srun --overlap --nodes={la.trainer_nodes} --ntasks-per-node=1 "
-        f'--nodelist="$TRAINER_NODELIST"{gres(la.trainer_ranks_per_node)} '
+        f'--nodelist="$TRAINER_NODELIST" '
         f'--output="$LOG_DIR/trainer_%N.log" bash -c {_q(inner)} "$PY" "$MASTER_ADDR" '
         '"$SERVER_URLS"',
         "status=$?",
