@@ -120,6 +120,11 @@ def test_replay_reproduces_rollout_routes_after_perturbation(trainer, tiny_check
 def test_filler_rows_are_valid_distinct_and_spread():
     rows = filler_routes(8, top_k=2, num_experts=8)
     assert rows.tolist() == [[0, 1], [2, 3], [4, 5], [6, 7], [0, 1], [2, 3], [4, 5], [6, 7]]
+    # Any 4 consecutive rows give each of 2 EP ranks (experts 0-3, 4-7) the same load.
+    ep_rank = filler_routes(40, top_k=2, num_experts=8, start=3) // 4
+    assert all((ep_rank[i : i + 4] == 0).sum() == 4 for i in range(0, 40, 4))
+    with pytest.raises(ValueError, match="top_k=9 > num_experts=8"):
+        filler_routes(1, top_k=9, num_experts=8)
 
 
 def test_routes_follow_the_token_layout(tiny_checkpoint, trainer):
@@ -434,8 +439,9 @@ def test_record_then_replay_after_the_policy_moved_and_audit(megatron_world):
     assert 0.0 < metrics["r3_topk_differ"] < 1.0
 
 
-def test_replayed_gates_come_from_the_trainers_full_scores(megatron_world):
-    model = build_model(HF4)
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+def test_replayed_gates_come_from_the_trainers_full_scores(megatron_world, norm_topk_prob):
+    model = build_model(dict(HF4, norm_topk_prob=norm_topk_prob))
     mb = build_micro_batch(
         random_samples([(5, 5)], HF4), [1.0], pad_token_id=0, routing_shape=(4, 2, 8)
     )
@@ -452,8 +458,10 @@ def test_replayed_gates_come_from_the_trainers_full_scores(megatron_world):
         handle.remove()
     logits = seen["x"].reshape(-1, 32) @ router.weight.detach().t()
     target = routes.targets[2]
-    # norm_topk_prob=True: softmax over the trainer's logits at the replayed experts.
-    gates = torch.softmax(logits.gather(1, target), dim=1)
+    if norm_topk_prob:  # softmax over the trainer's logits at the replayed experts
+        gates = torch.softmax(logits.gather(1, target), dim=1)
+    else:  # the trainer's full softmax, read at the replayed experts (not renormalised)
+        gates = torch.softmax(logits, dim=1).gather(1, target)
     expected = torch.zeros_like(logits).scatter(1, target, gates)
     torch.testing.assert_close(seen["probs"], expected, rtol=1e-6, atol=1e-7)
 
