@@ -600,3 +600,35 @@ def test_packed_rope_follows_position_ids(megatron_world):
     for t in range(15):  # bitwise the rotation of the token's own position
         assert torch.equal(per_token[t, 0], table[int(packed.position_ids[0, t]), 0])
     assert not torch.equal(default[10], default[0]) and torch.equal(per_token[10], default[0])
+
+
+def test_recompute_reuses_its_own_micro_batchs_routes(megatron_world):
+    # Full recompute on one rank: a no-grad forward of micro-batch 1 inside the training
+    # session must not enter the recompute FIFO, or micro-batch 0's recompute would replay it.
+    model = build_model(HF4, recompute_granularity="full")
+    controller = RoutingReplay(model)
+    mbs = [
+        build_micro_batch(
+            random_samples([(4, 4), (3, 5)], HF4, seed=seed),
+            [1.0, 1.0],
+            pad_token_id=0,
+            routing_shape=(4, 2, 8),
+        )
+        for seed in (0, 1)
+    ]
+    routes = {i: controller.routes_for(mb.routes, mb.routes_valid) for i, mb in enumerate(mbs)}
+    with controller.replay(routes, training=True, capture=True) as report:
+        with torch.no_grad(), controller.micro_batch(1):
+            forward_log_probs(model, mbs[1])
+        with controller.micro_batch(0):
+            log_probs = forward_log_probs(model, mbs[0])
+        (log_probs * mbs[0].loss_mask).sum().backward()
+    assert report.recomputes == {layer: 1 for layer in range(1, 5)}
+    for layer in range(1, 5):
+        assert torch.equal(report.recomputed[(0, layer)], as_map(routes[0].targets[layer]))
+        assert torch.equal(report.used[(0, layer)], report.recomputed[(0, layer)])
+    # A recompute in a forward-only session is refused.
+    with pytest.raises(RuntimeError, match="recomputed inside a forward-only session"):
+        with controller.replay(routes, training=False), controller.micro_batch(0):
+            log_probs = forward_log_probs(model, mbs[0])
+            log_probs.sum().backward()

@@ -20,7 +20,8 @@ module rests on are in ARCHITECTURE.md ("RouterReplay under PP + recompute").
   stage, so each recompute gets its own micro-batch's routes; a parallel ledger of
   (micro-batch, target) checks the FIFO head by identity and raises when it is out of step.
 - Every session clears the indices and actions of its routers on entry and on exit, and on a
-  clean exit checks that each layer was recomputed either for every forward or for none.
+  clean exit checks that each layer was recomputed either for every forward that can be
+  backpropagated or for none. No-grad forwards outside a checkpoint never enter the FIFO.
 - Gates: megatron-core's replay gathers the trainer's own scores at the replayed experts (raw
   logits then softmax when ``moe_router_pre_softmax=False``, the full softmax when True, biased
   scores for selection and unbiased ones as gates for sigmoid routers), so gates are
@@ -188,6 +189,20 @@ class _Call:
     real: torch.Tensor | None
     own: torch.Tensor | None = None
     replayed: torch.Tensor | None = None
+    will_backward: bool = False
+
+
+def _will_backward(grad_at_micro_batch: bool) -> bool:
+    """Whether this router forward can be recomputed in a later backward: its micro-batch was
+    entered with grad enabled, and it builds a graph or runs inside megatron-core's
+    ``CheckpointFunction`` forward (no grad there, recomputed later). A forward under
+    ``torch.no_grad()`` inside a training session is never backpropagated (megatron-core still
+    routes it through the checkpoint function when recompute is on), so it must not enter the
+    recompute FIFO, or a later recompute would pop its routes. Recompute through another
+    checkpoint implementation finds no forward and raises; never silent."""
+    from megatron.core.tensor_parallel.random import is_checkpointing
+
+    return grad_at_micro_batch and (torch.is_grad_enabled() or is_checkpointing())
 
 
 class RoutingReplay:
@@ -233,8 +248,10 @@ class RoutingReplay:
         self._capture = False
         self._routes: Mapping[int, MicroBatchRoutes] = {}
         self._current: int | None = None
+        self._grad_at_micro_batch = False
         self._calls: dict[int, _Call] = {}
         self._ledger: dict[int, deque] = {}
+        self._queued: Counter = Counter()
         self._report = ReplayReport()
 
     # -- targets ---------------------------------------------------------------------------
@@ -321,7 +338,9 @@ class RoutingReplay:
 
     @contextlib.contextmanager
     def micro_batch(self, index: int) -> Iterator[None]:
-        """Mark the forward inside as micro-batch ``index`` (call it in the forward step).
+        """Mark the forward inside as micro-batch ``index`` (call it in the forward step, inside
+        any ``torch.no_grad()``: a micro-batch entered without grad is never queued for
+        recompute).
 
         Raises:
             RuntimeError: outside a session, or when nested.
@@ -336,6 +355,7 @@ class RoutingReplay:
                 f"no routing replay targets for micro-batch {index} (have {sorted(self._routes)})"
             )
         self._current = index
+        self._grad_at_micro_batch = torch.is_grad_enabled()
         try:
             yield
         finally:
@@ -373,6 +393,7 @@ class RoutingReplay:
         self._routes = routes
         self._report = ReplayReport()
         self._ledger = {layer: deque() for layer in self.layers}
+        self._queued = Counter()
         self._calls = {}
         self._reset_routers()
         handles = []
@@ -393,12 +414,13 @@ class RoutingReplay:
             self._mode, self._routes, self._current, self._calls = None, {}, None, {}
         if clean and training:
             for layer in self.layers:
-                forwards = self._report.forwards[layer]
+                queued = self._queued[layer]
                 recomputes = self._report.recomputes[layer]
-                if recomputes not in (0, forwards):
+                if recomputes not in (0, queued):
                     raise RuntimeError(
-                        f"layer {layer}: {forwards} router forwards but {recomputes} "
-                        "recomputes; recompute must cover every forward of a layer or none"
+                        f"layer {layer}: {queued} router forwards to backpropagate but "
+                        f"{recomputes} recomputes; recompute must cover every forward of a "
+                        "layer or none"
                     )
 
     def _reset_routers(self) -> None:
@@ -468,15 +490,18 @@ class RoutingReplay:
             target = mb_routes.targets[layer]
             real = mb_routes.real
             self._check_tokens(mb, layer, target, num_tokens)
-            if self._training:
+            if self._training and _will_backward(self._grad_at_micro_batch):
                 replay.set_target_indices(target)  # also appends to the backward FIFO
                 self._ledger[layer].append((mb, target))
+                self._queued[layer] += 1
             else:
                 replay.target_topk_idx = target
             replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
         else:
             replay.set_router_replay_action(RouterReplayAction.RECORD)
-        self._calls[layer] = _Call("forward", mb, real)
+        self._calls[layer] = _Call(
+            "forward", mb, real, will_backward=_will_backward(self._grad_at_micro_batch)
+        )
         self._report.forwards[layer] += 1
         return None
 
@@ -493,9 +518,10 @@ class RoutingReplay:
         if self._mode == "record":
             recorded = replay.get_recorded_indices().detach()
             self._report.recorded[key] = recorded
-            if self._training:
+            if self._training and call.will_backward:
                 replay.replay_backward_list.append(recorded)
                 self._ledger[layer].append((call.micro_batch, recorded))
+                self._queued[layer] += 1
         if self._capture:
             self._report.used[key] = output[1].detach()
         if call.own is not None:
