@@ -13,6 +13,6 @@ if [[ ! -f data/arith/test.jsonl ]]; then
     --num-train 15000 --num-test 500 --max-digits 2 --ops +,-
 fi
 if [[ ! -f checkpoints/warm_start/model.safetensors ]]; then
-  megatron-sat warm-start --out-dir checkpoints/warm_start --num-steps 700 --lr 2e-3
+  megatron-sat warm-start --out-dir checkpoints/warm_start --num-steps 1500 --lr 2e-3
 fi
 megatron-sat train --config examples/configs/tiny_cpu_sat_gspo_r3.yaml "$@"
