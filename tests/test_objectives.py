@@ -611,3 +611,89 @@ def test_sat_quantile_for_non_sat_objective_warns():
         warnings.simplefilter("always")
         run("grpo", lp, adv, mask, sat_quantile=0.1)
     assert any("sat_quantile is ignored" in str(w.message) for w in caught)
+
+
+# ---------------------------------------------------------------- ratio denominator, age buckets
+
+
+def test_recomputed_old_denominator_by_hand():
+    # log pi = 0.15, log pi_old = 0.1, log mu = 0, A = +1, eps 0.2, token-mean:
+    # "rollout":        r = exp(0.15) = 1.1618342 (inside) -> loss = -1.1618342, grad = -r
+    # "recomputed_old": r = exp(0.05) = 1.0512711 (inside) -> loss = -1.0512711, grad = -r
+    #   + TIS cap 2: w = min(exp(0.1 - 0), 2) = 1.1051709 -> loss = -1.0512711 * 1.1051709
+    # the mismatch metric always compares with mu: |0.15 - 0| = 0.15
+    old = torch.tensor([[0.1]], dtype=F64)
+    adv, mask = torch.tensor([1.0], dtype=F64), torch.tensor([[True]])
+    loss, grad, m = run("grpo", leaf([[0.15]]), adv, mask, old_log_probs=old)
+    assert loss.item() == pytest.approx(-1.1618342427282833, abs=1e-12)
+    loss, grad, m = run(
+        "grpo", leaf([[0.15]]), adv, mask, old_log_probs=old, ratio_denominator="recomputed_old"
+    )
+    assert loss.item() == pytest.approx(-1.0512710963760241, abs=1e-12)
+    assert grad.item() == pytest.approx(-1.0512710963760241, abs=1e-12)
+    assert m["mismatch_abs_logratio"].item() == pytest.approx(0.15, abs=1e-12)
+    loss, _, m = run(
+        "grpo",
+        leaf([[0.15]]),
+        adv,
+        mask,
+        old_log_probs=old,
+        ratio_denominator="recomputed_old",
+        tis_cap=2.0,
+    )
+    assert loss.item() == pytest.approx(-1.0512710963760241 * math.exp(0.1), abs=1e-12)
+    assert m["tis_weight_mean"].item() == pytest.approx(math.exp(0.1), abs=1e-12)
+    with pytest.raises(ValueError, match="old_log_probs is required.*recomputed_old"):
+        run("grpo", leaf([[0.15]]), adv, mask, ratio_denominator="recomputed_old")
+
+
+def test_age_bucket_metrics_by_hand():
+    # grpo, log mu = 0 so d = log pi; eps 0.2.
+    # row 0, age 0, A = +1: d = [0.3, -0.3]: r = 1.3499 > 1.2 -> clip high; 0.7408 (A > 0: none)
+    # row 1, age 1, A = -1: d = [0.1]:       r = 1.1052 (A < 0, > 0.8: none)
+    # row 2, age 0, A = -1: d = [-0.4, 0]:   r = 0.6703 < 0.8 -> clip low; 1.0 none
+    # row 3, age 2, no active token -> no age2 keys; row 4, age -1 (left out) with one token.
+    # age0 (4 tokens, 2 rows): clipfrac_high = 1/4, clipfrac_low = 1/4,
+    #   mismatch = (0.3 + 0.3 + 0.4 + 0) / 4 = 0.25, k1 = -(0.3 - 0.3 - 0.4 + 0) / 4 = 0.1,
+    #   k3 = (0.0498588 + 0.0408182 + 0.0703200 + 0) / 4 = 0.0402493
+    # age1 (1 token, 1 row): clipfracs 0, mismatch 0.1, k1 = -0.1, k3 = exp(0.1) - 1.1 = 0.0051709
+    nan = math.nan
+    lp = leaf([[0.3, -0.3], [0.1, nan], [-0.4, 0.0], [nan, nan], [2.0, nan]])
+    mask = ~torch.isnan(lp.detach())
+    adv = torch.tensor([1.0, -1.0, -1.0, 1.0, 1.0], dtype=F64)
+    age = torch.tensor([0, 1, 0, 2, -1])
+    _, _, m = run("grpo", lp, adv, mask, sample_age=age)
+    expected = {
+        "age0/clipfrac_high": 0.25,
+        "age0/clipfrac_low": 0.25,
+        "age0/mismatch_abs_logratio": 0.25,
+        "age0/k1": 0.1,
+        "age0/k3": 0.0402492685733401,
+        "age0/num_active_tokens": 4,
+        "age0/num_seqs": 2,
+        "age1/clipfrac_high": 0.0,
+        "age1/clipfrac_low": 0.0,
+        "age1/mismatch_abs_logratio": 0.1,
+        "age1/k1": -0.1,
+        "age1/k3": 0.005170918075647624,
+        "age1/num_active_tokens": 1,
+        "age1/num_seqs": 1,
+    }
+    assert {k for k in m if k.startswith("age")} == set(expected)
+    for key, value in expected.items():
+        assert m[key].item() == pytest.approx(value, abs=1e-12), key
+    # the whole-batch metrics still count the left-out row: 6 tokens, 4 rows with a token
+    assert m["num_active_tokens"].item() == 6 and m["num_seqs"].item() == 4
+    with pytest.raises(ValueError, match="row_bucket must be an integer"):
+        run("grpo", leaf([[0.1]]), adv[:1], mask[:1, :1], sample_age=torch.tensor([0.5]))
+
+
+def test_sequence_metric_averages_rows_with_a_token():
+    # seq_abs_log_ratio = mean over rows with >= 1 active token of |mean_t d|:
+    # rows: [0.3, -0.1] -> 0.1; [-0.4] -> 0.4; [] -> left out => (0.1 + 0.4) / 2 = 0.25
+    nan = math.nan
+    lp = leaf([[0.3, -0.1], [-0.4, nan], [nan, nan]])
+    mask = ~torch.isnan(lp.detach())
+    _, _, m = run("gspo", lp, torch.tensor([1.0, 1.0, 1.0], dtype=F64), mask)
+    assert m["seq_abs_log_ratio"].item() == pytest.approx(0.25, abs=1e-12)
+    assert m["num_seqs"].item() == 2

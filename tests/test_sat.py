@@ -14,6 +14,7 @@ from megatron_sat.objectives import (
     hill_kernel,
     policy_loss,
     sat_abs_staleness,
+    sat_metrics,
     sat_radii,
     sat_reference_quantile,
 )
@@ -356,3 +357,33 @@ def test_sat_abs_staleness_rejects_non_sat_objective():
     lp, mu, _, mask = random_batch(seed=0)
     with pytest.raises(ValueError, match="ObjectiveConfig.name"):
         sat_abs_staleness(lp, mu, mask, ObjectiveConfig(name="grpo"))
+
+
+def test_weighted_quantile_equals_expanded_list():
+    # values [0.3, 0.1, 0.2, 5.0] with weights [1, 3, 2, 0] = [0.1, 0.1, 0.1, 0.2, 0.2, 0.3]:
+    # alpha 0.5 -> k = 3 -> 0.1; 0.51 -> k = ceil(3.06) = 4 -> 0.2; 0.9 -> k = 6 -> 0.3
+    values = torch.tensor([0.3, 0.1, 0.2, 5.0], dtype=F64)
+    weights = torch.tensor([1, 3, 2, 0])
+    for alpha, expected in ((0.5, 0.1), (0.51, 0.2), (0.9, 0.3)):
+        assert sat_reference_quantile(values, alpha, weights).item() == expected
+        expanded = values.repeat_interleave(weights)
+        assert sat_reference_quantile(expanded, alpha).item() == expected
+    assert sat_reference_quantile(values, 0.5, torch.zeros(4, dtype=torch.long)).item() == 0.0
+    with pytest.raises(ValueError, match="weights must be an integer tensor"):
+        sat_reference_quantile(values, 0.5, torch.ones(4))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_sat_gspo_row_radii_equal_token_radii(seed):
+    # SAT-GSPO computes its radii once per response with a token-weighted quantile; the metrics
+    # equal those of the token-level computation on the broadcast proxy of Eq. 20.
+    lp, mu, adv, mask = random_batch(seed, b=24, scale=0.4)
+    config = ObjectiveConfig(name="sat-gspo", sat_alpha=0.7)
+    _, metrics = policy_loss(lp, mu, adv[:, 0], mask, config)
+    log_r = torch.where(mask, lp - mu, torch.zeros_like(lp))
+    seq = log_r.sum(-1) / mask.sum(-1)
+    d = torch.where(mask, seq[:, None].expand_as(lp), torch.zeros_like(lp))
+    token = sat_metrics(sat_radii(d, mask, 0.2, 0.2, 0.7), mask)
+    assert metrics["sat_gate_rate"].item() > 0
+    for key, value in token.items():
+        torch.testing.assert_close(metrics[key], value, rtol=1e-12, atol=1e-15, msg=key)

@@ -5,13 +5,17 @@ denominators and the global SAT quantile are computed by the caller and passed i
 from megatron_sat.objectives.advantages import compute_grpo_advantages
 from megatron_sat.objectives.aggregation import LOSS_AGG_MODES, aggregate_loss
 from megatron_sat.objectives.metrics import (
+    bucket_metrics,
     clip_fractions,
+    clip_indicators,
     k3_estimator,
     masked_mean,
     mismatch_metrics,
+    mismatch_terms,
 )
 from megatron_sat.objectives.policy_loss import (
     OBJECTIVES,
+    RATIO_DENOMINATORS,
     SAT_STALENESS,
     LossInputs,
     ObjectiveConfig,
@@ -32,19 +36,23 @@ from megatron_sat.objectives.sat import (
 __all__ = [
     "LOSS_AGG_MODES",
     "OBJECTIVES",
+    "RATIO_DENOMINATORS",
     "SAT_STALENESS",
     "LossInputs",
     "ObjectiveConfig",
     "ObjectiveTerms",
     "SatRadii",
     "aggregate_loss",
+    "bucket_metrics",
     "clip_fractions",
+    "clip_indicators",
     "clipped_surrogate",
     "compute_grpo_advantages",
     "hill_kernel",
     "k3_estimator",
     "masked_mean",
     "mismatch_metrics",
+    "mismatch_terms",
     "policy_loss",
     "prepare_inputs",
     "sat_abs_staleness",

@@ -46,6 +46,22 @@ def k3_estimator(log_r: Tensor) -> Tensor:
     return torch.exp(log_r) - 1.0 - log_r
 
 
+def mismatch_terms(
+    log_probs: Tensor, rollout_log_probs: Tensor, loss_mask: Tensor
+) -> dict[str, Tensor]:
+    """Per-token terms whose masked means are `mismatch_metrics` (0 at inactive positions).
+
+    Returns:
+        Detached [B, T] tensors `mismatch_abs_logratio` (|d|), `k1` (-d) and `k3`
+        (`exp(d) - 1 - d`, d clamped to [-20, 20]), with `d = log pi_j - log mu`.
+    """
+    with torch.no_grad():
+        mask = loss_mask.to(torch.bool)
+        d = torch.where(mask, log_probs - rollout_log_probs, torch.zeros_like(log_probs))
+        d_clamped = d.clamp(-MAX_ABS_LOG_RATIO, MAX_ABS_LOG_RATIO)
+        return {"mismatch_abs_logratio": d.abs(), "k1": -d, "k3": k3_estimator(d_clamped)}
+
+
 def mismatch_metrics(
     log_probs: Tensor, rollout_log_probs: Tensor, loss_mask: Tensor
 ) -> dict[str, Tensor]:
@@ -66,15 +82,31 @@ def mismatch_metrics(
     Returns:
         Dict of detached 0-dim tensors (nats).
     """
+    terms = mismatch_terms(log_probs, rollout_log_probs, loss_mask)
+    return {name: masked_mean(value, loss_mask) for name, value in terms.items()}
+
+
+def clip_indicators(
+    ratio: Tensor,
+    advantages: Tensor,
+    eps_low: Tensor | float,
+    eps_high: Tensor | float,
+    dual_clip_c: float | None = None,
+) -> dict[str, Tensor]:
+    """Per-token {0, 1} indicators whose masked means are `clip_fractions` (same arguments).
+
+    Returns:
+        Detached [B, T] tensors of the ratio's dtype: `clipfrac_low`, `clipfrac_high` and, with
+        `dual_clip_c`, `clipfrac_dual`. Inactive positions are not zeroed: mask them.
+    """
     with torch.no_grad():
-        mask = loss_mask.to(torch.bool)
-        d = torch.where(mask, log_probs - rollout_log_probs, torch.zeros_like(log_probs))
-        d_clamped = d.clamp(-MAX_ABS_LOG_RATIO, MAX_ABS_LOG_RATIO)
-        return {
-            "mismatch_abs_logratio": masked_mean(d.abs(), mask),
-            "k1": masked_mean(-d, mask),
-            "k3": masked_mean(k3_estimator(d_clamped), mask),
-        }
+        low = (advantages < 0) & (ratio < 1.0 - eps_low)
+        high = (advantages > 0) & (ratio > 1.0 + eps_high)
+        out = {"clipfrac_low": low.to(ratio.dtype), "clipfrac_high": high.to(ratio.dtype)}
+        if dual_clip_c is not None:
+            dual = (advantages < 0) & (ratio > dual_clip_c)
+            out["clipfrac_dual"] = dual.to(ratio.dtype)
+        return out
 
 
 def clip_fractions(
@@ -105,15 +137,48 @@ def clip_fractions(
     Returns:
         Dict of detached 0-dim tensors in [0, 1].
     """
+    terms = clip_indicators(ratio, advantages, eps_low, eps_high, dual_clip_c)
+    return {name: masked_mean(value, loss_mask) for name, value in terms.items()}
+
+
+def bucket_metrics(
+    per_token: dict[str, Tensor], loss_mask: Tensor, row_bucket: Tensor, prefix: str = "age"
+) -> dict[str, Tensor]:
+    """Token means of per-token diagnostics within each bucket of rows (e.g. version age).
+
+    For every bucket id `a >= 0` held by at least one row with an active token:
+    `f"{prefix}{a}/{name}"` = mean of `per_token[name]` over the active tokens of the rows in
+    bucket `a`, plus `f"{prefix}{a}/num_active_tokens"` and `f"{prefix}{a}/num_seqs"` (rows of
+    the bucket with >= 1 active token). A trainer combining batches weights each mean by its
+    bucket's `num_active_tokens`.
+
+    Args:
+        per_token: name -> [B, T] float values (e.g. `clip_indicators`, `mismatch_terms`).
+        loss_mask: [B, T] bool or 0/1.
+        row_bucket: [B] integer bucket id of each row; negative ids are left out.
+        prefix: key prefix, "age" for the version-age buckets of the SAT paper's diagnostics.
+
+    Returns:
+        Dict of detached 0-dim tensors.
+
+    Raises:
+        ValueError: `row_bucket` is not an integer [B] tensor.
+    """
+    mask = loss_mask.to(torch.bool)
+    if row_bucket.shape != mask.shape[:1] or row_bucket.is_floating_point():
+        raise ValueError(
+            f"row_bucket must be an integer [B] tensor with B = {mask.shape[0]}, got "
+            f"{row_bucket.dtype} {tuple(row_bucket.shape)}"
+        )
+    out: dict[str, Tensor] = {}
     with torch.no_grad():
-        mask = loss_mask.to(torch.bool)
-        low = (advantages < 0) & (ratio < 1.0 - eps_low)
-        high = (advantages > 0) & (ratio > 1.0 + eps_high)
-        out = {
-            "clipfrac_low": masked_mean(low.to(ratio.dtype), mask),
-            "clipfrac_high": masked_mean(high.to(ratio.dtype), mask),
-        }
-        if dual_clip_c is not None:
-            dual = (advantages < 0) & (ratio > dual_clip_c)
-            out["clipfrac_dual"] = masked_mean(dual.to(ratio.dtype), mask)
-        return out
+        rows = (row_bucket >= 0) & mask.any(dim=-1)
+        for bucket in torch.unique(row_bucket[rows]).tolist():
+            in_bucket = rows & (row_bucket == bucket)
+            bucket_mask = mask & in_bucket.unsqueeze(-1)
+            dtype = next(iter(per_token.values())).dtype if per_token else torch.float32
+            out[f"{prefix}{bucket}/num_active_tokens"] = bucket_mask.sum().to(dtype)
+            out[f"{prefix}{bucket}/num_seqs"] = in_bucket.sum().to(dtype)
+            for name, values in per_token.items():
+                out[f"{prefix}{bucket}/{name}"] = masked_mean(values, bucket_mask)
+    return out

@@ -24,6 +24,11 @@ Deliberate choices where ALGORITHMS.md leaves room, and departures:
   drops the ratio clip).
 - "Outward" (DPPO) is tested as A * log r > 0, the exact sign of A (r - 1).
 - SAT-GSPO clips the GSPO-token ratio; value and gradient equal the sequence form (tested).
+  Its radii are constant within a response, so they are computed once per response ([B, 1])
+  and its quantile is the token-weighted quantile of the B sequence proxies: exactly the
+  quantile over the broadcast tokens of Eq. 20, at O(B) instead of O(tokens) cost.
+- The ratio's denominator is `ObjectiveConfig.ratio_denominator`: the rollout engine's mu
+  (default, SAT Eq. 1) or recomputed old trainer log-probs (`old_log_probs`, required then).
 - TIS / IcePop weights apply to the policy-gradient term only, not the KL term; without
   `old_log_probs` pi_old = mu, so they are inert (a warning says so).
 """
@@ -43,15 +48,19 @@ from torch import Tensor
 from megatron_sat.objectives.aggregation import LOSS_AGG_MODES, aggregate_loss
 from megatron_sat.objectives.metrics import (
     MAX_ABS_LOG_RATIO,
-    clip_fractions,
+    bucket_metrics,
+    clip_indicators,
     k3_estimator,
     masked_mean,
-    mismatch_metrics,
+    mismatch_terms,
 )
 from megatron_sat.objectives.sat import sat_metrics, sat_radii
 
 # Reference-KL clamp of ALGORITHMS.md ("clamped to [-10, 10]").
 MAX_ABS_REF_LOG_RATIO = 10.0
+
+# What the ratio divides by: the rollout engine's mu, or recomputed old trainer log-probs.
+RATIO_DENOMINATORS: tuple[str, ...] = ("rollout", "recomputed_old")
 
 
 @dataclass
@@ -73,6 +82,12 @@ class ObjectiveConfig:
             alpha <= pi_old / mu <= beta; None disables IcePop.
         dual_clip_c: Dual-clip constant c > 1 for A < 0; None disables it.
         kl_coef: Coefficient (>= 0) of the k3 KL to the reference policy; 1e-3 in the SAT paper.
+        ratio_denominator: log-probs in the ratio's denominator: "rollout" = the rollout
+            engine's log mu (SAT Eq. 1, the default) or "recomputed_old" = old log-probs that the
+            trainer recomputes with its own weights before the update (`old_log_probs`). With one
+            optimizer step per batch the recomputed old policy *is* the current policy, so r = 1
+            and every clip is inert unless the samples are on-policy; `RunConfig` therefore
+            refuses "recomputed_old" for asynchronous runs (update_weights_interval > 1).
 
     Raises:
         ValueError: naming the field, for an unknown name or mode or an out-of-range value.
@@ -89,6 +104,7 @@ class ObjectiveConfig:
     icepop_range: tuple[float, float] | None = None
     dual_clip_c: float | None = None
     kl_coef: float = 0.0
+    ratio_denominator: str = "rollout"
 
     def __post_init__(self) -> None:
         def check(ok: bool, name: str, requirement: str) -> None:
@@ -122,6 +138,11 @@ class ObjectiveConfig:
         c = self.dual_clip_c
         check(c is None or (finite(c) and c > 1), "dual_clip_c", "None or finite and > 1")
         check(finite(self.kl_coef) and self.kl_coef >= 0, "kl_coef", "finite and >= 0")
+        check(
+            self.ratio_denominator in RATIO_DENOMINATORS,
+            "ratio_denominator",
+            f"one of {RATIO_DENOMINATORS}",
+        )
         if norm is not None and self.loss_agg_mode != "seq-mean-token-sum-norm":
             warnings.warn(
                 f"ObjectiveConfig.loss_agg_norm_constant is ignored with "
@@ -136,7 +157,8 @@ class LossInputs:
 
     Attributes:
         log_probs: [B, T] trainer log pi_j (grad flows at active positions only).
-        rollout_log_probs: [B, T] rollout-engine log mu.
+        rollout_log_probs: [B, T] the ratio's denominator: rollout-engine log mu, or the
+            recomputed old log-probs when `ObjectiveConfig.ratio_denominator` says so.
         advantages: [B, T] per-token advantages (per-sequence ones broadcast).
         mask: [B, T] bool, active response tokens.
     """
@@ -225,14 +247,43 @@ def sequence_ratio(inp: LossInputs) -> Tensor:
     return _exp_ratio(inp.sequence_log_ratio()).unsqueeze(-1).expand_as(inp.log_probs)
 
 
-def sequence_token_ratio(inp: LossInputs) -> Tensor:
+class _BroadcastRatio(torch.autograd.Function):
+    """`s_bt = rho_b` in value with `d s_bt / d log pi_bt = s_bt`: the GSPO-token ratio.
+
+    Same value and gradient, bit for bit, as `exp(log_rho_b + (x - sg[x]))` (`x - sg[x]` is
+    exactly 0 and exp's backward multiplies by its output), without the [B, T] exp.
+    """
+
+    @staticmethod
+    def forward(ctx, log_probs: Tensor, rho: Tensor) -> Tensor:
+        ctx.save_for_backward(rho)
+        return rho.unsqueeze(-1).expand(log_probs.shape)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
+        (rho,) = ctx.saved_tensors
+        return grad * rho.unsqueeze(-1), None
+
+
+def _detached_sequence_log_ratio(inp: LossInputs) -> Tensor:
+    with torch.no_grad():
+        return inp.sequence_log_ratio()
+
+
+def sequence_token_ratio(inp: LossInputs, log_rho: Tensor | None = None) -> Tensor:
     """[B, T] GSPO-token ratio `s_bt = sg[rho_b] * pi_j(y_t) / sg[pi_j(y_t)]` (GSPO Eq. 13-14).
 
-    Same value as `sequence_ratio` bit for bit (`x - sg[x]` is exactly 0), and d s_bt / d log
-    pi_bt = rho_b, so with per-sequence advantages the gradient equals the sequence-level one.
+    Same value as `sequence_ratio` bit for bit, and d s_bt / d log pi_bt = rho_b, so with
+    per-sequence advantages the gradient equals the sequence-level one.
+
+    Args:
+        inp: the loss inputs.
+        log_rho: [B] detached `log rho_b` if the caller already has it (`sequence_log_ratio`).
     """
-    log_rho = inp.sequence_log_ratio().detach().clamp(-MAX_ABS_LOG_RATIO, MAX_ABS_LOG_RATIO)
-    return torch.exp(log_rho.unsqueeze(-1) + (inp.log_probs - inp.log_probs.detach()))
+    if log_rho is None:
+        log_rho = _detached_sequence_log_ratio(inp)
+    rho = torch.exp(log_rho.clamp(-MAX_ABS_LOG_RATIO, MAX_ABS_LOG_RATIO))
+    return _BroadcastRatio.apply(inp.log_probs, rho)
 
 
 # --- objectives ---------------------------------------------------------------------------------
@@ -306,9 +357,24 @@ def sat_gspo_objective(
     """SAT-GSPO: GSPO-token ratio, radii from the sequence proxy (SAT Eqs. 13-20).
 
     The radii are constant within a response, so value and gradient equal those of the
-    sequence-level form for per-sequence advantages (as for GSPO-token).
+    sequence-level form for per-sequence advantages (as for GSPO-token). They are computed per
+    response ([B, 1]); the quantile weights each response by its active tokens, which equals
+    Eq. 14 over the broadcast proxy of Eq. 20 exactly (`sat_reference_quantile`).
     """
-    return _sat_clip(sequence_token_ratio(inp), sequence_staleness(inp), inp, config, sat_quantile)
+    log_rho = _detached_sequence_log_ratio(inp)  # [B]
+    num_tokens = inp.mask.sum(dim=-1, keepdim=True)  # [B, 1]
+    rows = num_tokens > 0
+    radii = sat_radii(
+        log_rho.unsqueeze(-1),
+        rows,
+        config.eps_low,
+        config.eps_high,
+        config.sat_alpha,
+        sat_quantile,
+        weights=num_tokens,
+    )
+    terms = _clip(sequence_token_ratio(inp, log_rho), inp, config, radii.eps_low, radii.eps_high)
+    return dataclasses.replace(terms, metrics=sat_metrics(radii, rows, weights=num_tokens))
 
 
 def binary_tv(inp: LossInputs) -> Tensor:
@@ -475,11 +541,12 @@ def sat_abs_staleness(
 
 
 def _correction_weights(
-    inp: LossInputs, old_log_probs: Tensor | None, config: ObjectiveConfig
+    inp: LossInputs, rollout: Tensor, old_log_probs: Tensor | None, config: ObjectiveConfig
 ) -> tuple[Tensor | None, dict[str, Tensor]]:
     """Detached per-token TIS weight times IcePop keep mask, or None when neither is on.
 
-    `x = log pi_old - log mu`, with pi_old = mu (x = 0) when `old_log_probs` is None.
+    `x = log pi_old - log mu` (`rollout` = masked log mu, whatever the ratio divides by), with
+    pi_old = mu (x = 0) when `old_log_probs` is None.
     TIS: `w = min(exp(x), C)`, computed as exp(min(x, log C)) so it cannot overflow.
     IcePop: keep iff `log alpha <= x <= log beta`, compared in log space.
     """
@@ -493,7 +560,7 @@ def _correction_weights(
         )
         x = torch.zeros_like(inp.log_probs)
     else:
-        x = _masked(old_log_probs.detach(), inp.mask, inp.log_probs.dtype) - inp.rollout_log_probs
+        x = _masked(old_log_probs.detach(), inp.mask, inp.log_probs.dtype) - rollout
     weight = torch.ones_like(x)
     metrics: dict[str, Tensor] = {}
     if config.tis_cap is not None:
@@ -531,14 +598,16 @@ def policy_loss(
     global_num_tokens: float | Tensor | None = None,
     global_num_seqs: float | Tensor | None = None,
     sat_quantile: float | Tensor | None = None,
+    sample_age: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Policy loss of `config.name`, aggregated, plus the optional k3 reference KL.
 
     `loss = agg(-S * w) + kl_coef * agg(k3)`, with S the objective's clipped surrogate (shared
     core `clipped_surrogate`), w the detached TIS weight times IcePop mask (1 when off; dropped
     tokens stay in the aggregation denominator), agg = `aggregate_loss` with
-    `config.loss_agg_mode`. The ratio denominator is the rollout engine's mu, not a recomputed
-    old policy (ALGORITHMS.md, SAT Eq. 1).
+    `config.loss_agg_mode`. The ratio's denominator is the rollout engine's mu (SAT Eq. 1) or,
+    with `config.ratio_denominator == "recomputed_old"`, `old_log_probs`; the mismatch metrics
+    always compare with mu.
 
     Args:
         log_probs: [B, T] float32 (bf16 is upcast, fp64 kept), trainer log pi_j of the response
@@ -549,23 +618,31 @@ def policy_loss(
             tensor at inactive positions are ignored, even NaN/inf, and get zero gradient.
         config: ObjectiveConfig.
         ref_log_probs: [B, T] reference log-probs; required when `config.kl_coef > 0`.
-        old_log_probs: [B, T] recomputed old-policy log-probs, numerator of TIS/IcePop.
+        old_log_probs: [B, T] recomputed old-policy log-probs: numerator of TIS/IcePop, and the
+            ratio's denominator under "recomputed_old" (required then).
         global_num_tokens, global_num_seqs: global aggregation denominators, see
             `aggregate_loss`; None = this batch alone.
         sat_quantile: SAT q over the global batch (see `sat_abs_staleness`); None = from this
             batch. Ignored, with a warning, by non-SAT objectives.
+        sample_age: optional [B] integer version age of each row (`rollout.types.staleness`;
+            negative = leave the row out): adds per-age-bucket metrics (`bucket_metrics`).
 
     Returns:
         (loss, metrics): 0-dim loss to minimise, in the compute dtype; metrics are detached 0-dim
         tensors over this batch: `pg_loss`, `clipfrac_low`, `clipfrac_high` (`clipfrac_dual`),
-        `mismatch_abs_logratio`, `k1`, `k3`, `num_active_tokens`; SAT objectives add `sat_q`,
-        `sat_gate_rate`, `sat_eps_low_mean`, `sat_eps_high_mean`, `sat_c_plus_min`,
+        `mismatch_abs_logratio`, `k1`, `k3` (token means), `seq_abs_log_ratio` (mean over rows
+        with an active token of |log rho_b| vs mu, the sequence-level mismatch),
+        `num_active_tokens`, `num_seqs` (rows with >= 1 active token); SAT objectives add
+        `sat_q`, `sat_gate_rate`, `sat_eps_low_mean`, `sat_eps_high_mean`, `sat_c_plus_min`,
         `sat_c_minus_min`; DPPO adds `dppo_drop_rate`; TIS `tis_weight_mean`; IcePop
-        `icepop_keep_rate`; `kl_loss` when `kl_coef > 0`.
+        `icepop_keep_rate`; `kl_loss` when `kl_coef > 0`; with `sample_age`,
+        `age{a}/clipfrac_low`, `age{a}/clipfrac_high`, `age{a}/mismatch_abs_logratio`,
+        `age{a}/k1`, `age{a}/k3`, `age{a}/num_active_tokens`, `age{a}/num_seqs` per age a.
 
     Raises:
         ValueError: a shape mismatch (naming the argument), `kl_coef > 0` without
-            `ref_log_probs`, a non-positive global denominator, a negative `sat_quantile`.
+            `ref_log_probs`, "recomputed_old" without `old_log_probs`, a non-positive global
+            denominator, a negative `sat_quantile`.
     """
     _check_shapes(
         log_probs,
@@ -579,12 +656,20 @@ def policy_loss(
     )
     if config.kl_coef > 0 and ref_log_probs is None:
         raise ValueError("ref_log_probs is required when ObjectiveConfig.kl_coef > 0")
+    recomputed = config.ratio_denominator == "recomputed_old"
+    if recomputed and old_log_probs is None:
+        raise ValueError(
+            "old_log_probs is required when ObjectiveConfig.ratio_denominator == 'recomputed_old'"
+        )
     if sat_quantile is not None and config.name not in SAT_STALENESS:
         warnings.warn(f"sat_quantile is ignored by objective {config.name!r}", stacklevel=2)
-    inp = prepare_inputs(log_probs, rollout_log_probs, advantages, loss_mask)
+    inp = prepare_inputs(
+        log_probs, old_log_probs if recomputed else rollout_log_probs, advantages, loss_mask
+    )
+    rollout = _masked(rollout_log_probs.detach(), inp.mask, inp.log_probs.dtype)
     terms = OBJECTIVES[config.name](inp, config, sat_quantile)
     per_token = -terms.surrogate
-    weight, weight_metrics = _correction_weights(inp, old_log_probs, config)
+    weight, weight_metrics = _correction_weights(inp, rollout, old_log_probs, config)
     if weight is not None:
         per_token = per_token * weight
 
@@ -600,16 +685,22 @@ def policy_loss(
 
     pg_loss = agg(per_token)
     loss = pg_loss
+    clip = clip_indicators(
+        terms.ratio, inp.advantages, terms.eps_low, terms.eps_high, config.dual_clip_c
+    )
+    mismatch = mismatch_terms(inp.log_probs, rollout, inp.mask)
     metrics = {
         "pg_loss": pg_loss.detach(),
         "num_active_tokens": inp.mask.sum().to(pg_loss.dtype),
-        **clip_fractions(
-            terms.ratio, inp.advantages, terms.eps_low, terms.eps_high, inp.mask, config.dual_clip_c
-        ),
-        **mismatch_metrics(inp.log_probs, inp.rollout_log_probs, inp.mask),
+        **{name: masked_mean(value, inp.mask) for name, value in clip.items()},
+        **{name: masked_mean(value, inp.mask) for name, value in mismatch.items()},
+        **_sequence_metrics(mismatch["k1"], inp.mask),
         **terms.metrics,
         **weight_metrics,
     }
+    if sample_age is not None:
+        per_age = {k: clip[k] for k in ("clipfrac_low", "clipfrac_high")} | mismatch
+        metrics.update(bucket_metrics(per_age, inp.mask, sample_age, prefix="age"))
     if config.kl_coef > 0:
         kl_loss = agg(reference_kl(inp, ref_log_probs))
         loss = loss + config.kl_coef * kl_loss
@@ -617,3 +708,15 @@ def policy_loss(
     elif ref_log_probs is not None:
         warnings.warn("ref_log_probs is ignored because ObjectiveConfig.kl_coef == 0", stacklevel=2)
     return loss, {k: v.detach() for k, v in metrics.items()}
+
+
+def _sequence_metrics(neg_log_ratio: Tensor, mask: Tensor) -> dict[str, Tensor]:
+    """`num_seqs` and `seq_abs_log_ratio` = mean over rows with an active token of |log rho_b|,
+    from the detached per-token `-log r` (0 at inactive positions)."""
+    num_tokens = mask.sum(dim=-1)
+    rows = num_tokens > 0
+    log_rho = -neg_log_ratio.sum(dim=-1) / num_tokens.clamp_min(1).to(neg_log_ratio.dtype)
+    return {
+        "num_seqs": rows.sum().to(neg_log_ratio.dtype),
+        "seq_abs_log_ratio": masked_mean(log_rho.abs(), rows),
+    }

@@ -36,7 +36,7 @@ def _quantile_rank(alpha: float, n: int) -> int:
     return min(max(k, 1), n)
 
 
-def sat_reference_quantile(abs_d: Tensor, alpha: float) -> Tensor:
+def sat_reference_quantile(abs_d: Tensor, alpha: float, weights: Tensor | None = None) -> Tensor:
     """Batch reference quantile of the staleness proxy (SAT paper Eq. 14).
 
     `q = inf{x >= 0 : F(x) >= alpha}` with F the empirical CDF of `abs_d`: the lower
@@ -44,25 +44,51 @@ def sat_reference_quantile(abs_d: Tensor, alpha: float) -> Tensor:
     `k = ceil(alpha * n)`. Example: |d| = [0.1, 0.2, ..., 1.0], alpha = 0.9 -> k = 9 -> q = 0.9.
     Consequence used by Proposition 4.1: at most `n - k <= (1 - alpha) n` values exceed q.
 
+    With `weights`, value i counts `weights[i]` times (n = sum of the weights): the result is
+    exactly the quantile of the expanded list. SAT-GSPO uses this with one value per response
+    weighted by its number of active tokens, so its quantile costs O(B log B), not O(tokens).
+
     Args:
         abs_d: [n] float, |d| of the active tokens (detached here). Under data parallelism: the
             all-gathered values of the global batch.
         alpha: quantile level in (0, 1); 0.90 in the SAT paper.
+        weights: optional [n] integer tensor of non-negative multiplicities.
 
     Returns:
-        0-dim tensor, dtype and device of `abs_d`; 0 when `abs_d` is empty.
+        0-dim tensor, dtype and device of `abs_d`; 0 when `abs_d` is empty or all weights are 0.
 
     Raises:
-        ValueError: `abs_d` not 1-D, or `alpha` outside (0, 1).
+        ValueError: `abs_d` not 1-D, `alpha` outside (0, 1), or `weights` not an integer tensor
+            of the shape of `abs_d`.
     """
     if abs_d.dim() != 1:
         raise ValueError(f"abs_d must be 1-D, got shape {tuple(abs_d.shape)}")
     if not 0.0 < alpha < 1.0:
         raise ValueError(f"alpha (sat_alpha) must be in (0, 1), got {alpha!r}")
+    abs_d = abs_d.detach()
+    if weights is not None:
+        if weights.shape != abs_d.shape or weights.is_floating_point():
+            raise ValueError(
+                f"weights must be an integer tensor of shape {tuple(abs_d.shape)}, got "
+                f"{weights.dtype} {tuple(weights.shape)}"
+            )
+        return _weighted_lower_quantile(abs_d, alpha, weights)
     n = abs_d.numel()
     if n == 0:
         return abs_d.new_zeros(())
-    return torch.kthvalue(abs_d.detach(), _quantile_rank(alpha, n)).values
+    return torch.kthvalue(abs_d, _quantile_rank(alpha, n)).values
+
+
+def _weighted_lower_quantile(values: Tensor, alpha: float, weights: Tensor) -> Tensor:
+    # Sort once; the k-th smallest of the expanded list is the first sorted value whose
+    # cumulative weight reaches k (int64 cumsum: exact).
+    total = int(weights.sum())
+    if total == 0:
+        return values.new_zeros(())
+    sorted_values, order = torch.sort(values)
+    cumulative = torch.cumsum(weights[order].to(torch.int64), 0)
+    k = torch.tensor([_quantile_rank(alpha, total)], dtype=torch.int64, device=values.device)
+    return sorted_values[torch.searchsorted(cumulative, k)[0]]
 
 
 def hill_kernel(u: Tensor, q: Tensor | float) -> Tensor:
@@ -107,6 +133,7 @@ def sat_radii(
     eps_high: float,
     alpha: float,
     q: Tensor | float | None = None,
+    weights: Tensor | None = None,
 ) -> SatRadii:
     """SAT radii from the staleness proxy (SAT paper Eqs. 14-17).
 
@@ -116,16 +143,18 @@ def sat_radii(
     its radii are bit-identical to the base recipe's.
 
     Args:
-        d: [B, T] float, staleness proxy `sg[log r]` (token) or `sg[log rho_b]` broadcast
-            (SAT-GSPO, Eq. 20). Detached here; inactive positions are ignored.
-        loss_mask: [B, T] bool or 0/1.
+        d: [B, T] float, staleness proxy `sg[log r]` per token, or [B, 1] one value per response
+            (SAT-GSPO, Eq. 20: `sg[log rho_b]`, with `weights` = its active token counts).
+            Detached here; inactive positions are ignored.
+        loss_mask: bool or 0/1, shape of `d`.
         eps_low, eps_high: base PPO radii.
         alpha: quantile level of Eq. 14, in (0, 1).
         q: precomputed quantile (global batch, see module docstring), >= 0; None computes it
-            from the active tokens of `d`.
+            from the active entries of `d` (each counted `weights` times when given).
+        weights: optional integer multiplicities, shape of `d` (see `sat_reference_quantile`).
 
     Returns:
-        SatRadii.
+        SatRadii, every tensor of the shape of `d`.
 
     Raises:
         ValueError: a Python-number `q` that is negative or NaN; `alpha` outside (0, 1).
@@ -134,7 +163,8 @@ def sat_radii(
     d = torch.where(mask, d.detach(), torch.zeros_like(d))
     abs_d = d.abs()
     if q is None:
-        q_t = sat_reference_quantile(abs_d[mask], alpha)
+        w = None if weights is None else weights[mask]
+        q_t = sat_reference_quantile(abs_d[mask], alpha, weights=w)
     else:
         if isinstance(q, (int, float)) and not q >= 0:
             raise ValueError(f"sat_quantile must be >= 0, got {q!r}")
@@ -162,8 +192,16 @@ def _min_of_active(c: Tensor, mask: Tensor) -> Tensor:
     return torch.cat([filled, filled.new_ones(1)]).amin()
 
 
-def sat_metrics(radii: SatRadii, loss_mask: Tensor) -> dict[str, Tensor]:
+def sat_metrics(
+    radii: SatRadii, loss_mask: Tensor, weights: Tensor | None = None
+) -> dict[str, Tensor]:
     """SAT diagnostics of SAT paper Table 10, over the active tokens of this batch.
+
+    Args:
+        radii: from `sat_radii`.
+        loss_mask: bool or 0/1, shape of the radii.
+        weights: integer multiplicities of each entry (SAT-GSPO's per-response radii weighted by
+            active token counts, so the means stay token-weighted); None = 1 each.
 
     Returns:
         Detached 0-dim tensors: `sat_q`, `sat_gate_rate` (fraction of active tokens gated),
@@ -171,11 +209,21 @@ def sat_metrics(radii: SatRadii, loss_mask: Tensor) -> dict[str, Tensor]:
         (1 when there is no active token).
     """
     mask = loss_mask.to(torch.bool)
+    dtype = radii.c_plus.dtype
+    if weights is None:
+        mean = masked_mean
+    else:
+        w = torch.where(mask, weights.to(dtype), torch.zeros((), dtype=dtype))
+        total = w.sum().clamp_min(1)
+
+        def mean(values: Tensor, _: Tensor) -> Tensor:
+            return (values * w).sum() / total
+
     return {
         "sat_q": radii.q.detach(),
-        "sat_gate_rate": masked_mean(radii.gate.to(radii.c_plus.dtype), mask),
-        "sat_eps_low_mean": masked_mean(radii.eps_low, mask),
-        "sat_eps_high_mean": masked_mean(radii.eps_high, mask),
+        "sat_gate_rate": mean(radii.gate.to(dtype), mask),
+        "sat_eps_low_mean": mean(radii.eps_low, mask),
+        "sat_eps_high_mean": mean(radii.eps_high, mask),
         "sat_c_plus_min": _min_of_active(radii.c_plus, mask),
         "sat_c_minus_min": _min_of_active(radii.c_minus, mask),
     }
