@@ -123,6 +123,11 @@ class TrainConfig:
 class RunConfig:
     """The whole RL run.
 
+    Raises:
+        ValueError: ``objective.ratio_denominator == "recomputed_old"`` in an asynchronous run
+            (``rollout.update_weights_interval > 1``); "seq-mean-token-sum-norm" without
+            ``objective.loss_agg_norm_constant``.
+
     Attributes:
         init_checkpoint: HF checkpoint directory to start from (config.json, safetensors,
             tokenizer).
@@ -137,6 +142,30 @@ class RunConfig:
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
+
+    def __post_init__(self) -> None:
+        # An asynchronous run (samples up to n > 1 versions old) trains one optimizer step per
+        # batch, so old log-probs recomputed by the trainer are the current policy's own: the
+        # ratio would be pi_j / pi_j = 1, every clip inert and the staleness unseen.
+        n = self.rollout.update_weights_interval
+        if self.objective.ratio_denominator == "recomputed_old" and n > 1:
+            raise ValueError(
+                f"objective.ratio_denominator='recomputed_old' with "
+                f"rollout.update_weights_interval={n} > 1 (asynchronous): the recomputed "
+                "denominator would be the current policy itself (ratio 1, no clip, staleness "
+                "ignored); use objective.ratio_denominator='rollout' (the rollout engine's "
+                "log-probs, SAT paper Eq. 1) or update_weights_interval=1"
+            )
+        if (
+            self.objective.loss_agg_mode == "seq-mean-token-sum-norm"
+            and self.objective.loss_agg_norm_constant is None
+        ):
+            raise ValueError(
+                "objective.loss_agg_norm_constant must be set with objective.loss_agg_mode="
+                "'seq-mean-token-sum-norm': the default (padded width) depends on how the batch "
+                f"is split; Dr.GRPO uses the generation budget, rollout.max_new_tokens="
+                f"{self.rollout.max_new_tokens}"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         """Plain-dict form (for YAML and the run directory)."""

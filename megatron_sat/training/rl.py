@@ -1,4 +1,16 @@
-"""The RL loop: generate -> score -> advantages -> train step -> (every n steps) weight sync."""
+"""The RL loop: generate -> score -> advantages -> train step -> (every n steps) weight sync.
+
+Under torchrun (data parallelism at TP = EP = PP = 1) global rank 0 owns everything outside the
+train step: the rollout pool and servers, evaluation, weight sync, logging and the summary. Each
+step it generates the whole batch, computes the group advantages, and sends every data-parallel
+rank a contiguous share of whole GRPO groups (``dp_shares``, ``scatter_object_list`` over the
+default process group); then every rank runs ``PolicyTrainer.rl_step`` on its share (global
+denominators, global SAT quantile, summed gradients: see the trainer) and rank 0 logs the
+global metrics it returns. Every rank holds the full weights, so rank 0 alone pushes them to
+the servers (the HF export's collectives run over the TP/EP/PP groups, which hold one rank each
+at TP = EP = PP = 1, the only layout the trainer accepts). Writing the final checkpoint is a
+collective of all ranks. With one process nothing is scattered.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import yaml
 from tqdm import tqdm
 from transformers import AutoTokenizer
@@ -59,27 +72,86 @@ def prompt_stream(records: list[PromptRecord], seed: int) -> Iterator[PromptReco
 
 
 def batch_metrics(samples: list[Sample], trainer_version: int) -> dict[str, float]:
-    """Reward, response length and staleness of a consumed batch."""
+    """Reward, response length and truncation over all samples of a consumed batch; staleness
+    (``rollout.types.staleness``) over the samples with >= 1 response token (an empty response
+    has no version).
+
+    Raises:
+        ValueError: for an empty batch.
+    """
+    if not samples:
+        raise ValueError("batch_metrics needs at least one sample")
     n = len(samples)
-    ages = [staleness(s, trainer_version) for s in samples]
-    return {
+    ages = [staleness(s, trainer_version) for s in samples if s.response_ids]
+    out = {
         "rollout/reward": sum(s.reward for s in samples) / n,
         "rollout/response_length": sum(len(s.response_ids) for s in samples) / n,
         "rollout/truncated": sum(s.finish_reason == "length" for s in samples) / n,
-        "rollout/staleness_mean": sum(ages) / n,
-        "rollout/staleness_max": float(max(ages)),
     }
+    if ages:
+        out["rollout/staleness_mean"] = sum(ages) / len(ages)
+        out["rollout/staleness_max"] = float(max(ages))
+    return out
+
+
+def dp_shares(num_samples: int, group_size: int, num_ranks: int) -> list[slice]:
+    """Contiguous shares of whole groups for ``num_ranks`` data-parallel ranks.
+
+    The groups are split as evenly as possible, the first ranks taking one more group when
+    they do not divide evenly; a rank may get none when there are fewer groups than ranks.
+
+    Raises:
+        ValueError: ``num_samples`` is not a multiple of ``group_size``, or a count < 1.
+    """
+    if group_size < 1 or num_ranks < 1:
+        raise ValueError(f"group_size ({group_size}) and num_ranks ({num_ranks}) must be >= 1")
+    if num_samples % group_size:
+        raise ValueError(f"{num_samples} samples are not whole groups of {group_size}")
+    base, extra = divmod(num_samples // group_size, num_ranks)
+    shares, start = [], 0
+    for rank in range(num_ranks):
+        stop = start + (base + (rank < extra)) * group_size
+        shares.append(slice(start, stop))
+        start = stop
+    return shares
+
+
+def distributed_rl_step(
+    trainer: PolicyTrainer,
+    samples: list[Sample] | None,
+    advantages: torch.Tensor | None,
+    cfg: RunConfig,
+    trainer_version: int | None,
+) -> dict[str, float]:
+    """One train step on every rank: rank 0 passes the whole batch and scatters each rank its
+    share (``dp_shares``); the other ranks pass None and receive theirs. Returns the global
+    metrics of ``PolicyTrainer.rl_step`` (on every rank).
+
+    Raises:
+        ValueError: a non-zero rank passed samples, or rank 0 passed none.
+    """
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if (samples is None) != (rank != 0):
+        raise ValueError(f"rank {rank}: only rank 0 passes the batch to distributed_rl_step")
+    if world == 1:
+        share = (samples, advantages, trainer_version)
+    else:
+        objects = None
+        if rank == 0:
+            slices = dp_shares(len(samples), cfg.rollout.group_size, world)
+            objects = [(samples[s], advantages[s], trainer_version) for s in slices]
+        received: list = [None]
+        dist.scatter_object_list(received, objects, src=0)
+        share = received[0]
+    share_samples, share_advantages, version = share
+    return trainer.rl_step(share_samples, share_advantages, cfg.objective, trainer_version=version)
 
 
 def run_rl(cfg: RunConfig) -> dict:
-    """Run the whole RL job of ``cfg``; returns (and writes) the run summary."""
-    run_dir = Path(cfg.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    """Run the whole RL job of ``cfg``; returns (and writes) the run summary on rank 0, and an
+    empty dict on the other data-parallel ranks (see the module docstring)."""
     tokenizer = AutoTokenizer.from_pretrained(cfg.init_checkpoint)
-    train_records = load_prompt_dataset(cfg.data.train_path, tokenizer=tokenizer)
-    eval_records = load_prompt_dataset(cfg.data.eval_path, tokenizer=tokenizer)
-    eval_records = eval_records[: cfg.data.num_eval_prompts]
     hf_config = read_hf_config(cfg.init_checkpoint)
     trainer = PolicyTrainer(
         hf_config,
@@ -88,6 +160,18 @@ def run_rl(cfg: RunConfig) -> dict:
         pad_token_id=tokenizer.pad_token_id,
         load_from=cfg.init_checkpoint,
     )
+    if dist.get_rank() != 0:
+        for _ in range(cfg.train.num_steps):
+            distributed_rl_step(trainer, None, None, cfg, None)
+        # Writing the checkpoint is a collective (checkpoint.hf_io.save_model_as_hf).
+        trainer.save_hf(Path(cfg.run_dir) / "checkpoint", tokenizer_dir=cfg.init_checkpoint)
+        return {}
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    train_records = load_prompt_dataset(cfg.data.train_path, tokenizer=tokenizer)
+    eval_records = load_prompt_dataset(cfg.data.eval_path, tokenizer=tokenizer)
+    eval_records = eval_records[: cfg.data.num_eval_prompts]
     num_layers, top_k, num_experts = trainer.routing_shape
     ro = cfg.rollout
     prompts = prompt_stream(train_records, cfg.train.seed)
@@ -133,12 +217,8 @@ def run_rl(cfg: RunConfig) -> dict:
             rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
             advantages = compute_grpo_advantages(rewards, ro.group_size)
             metrics = batch_metrics(samples, version)
-            metrics.update(
-                {
-                    f"train/{k}": v
-                    for k, v in trainer.rl_step(samples, advantages, cfg.objective).items()
-                }
-            )
+            train = distributed_rl_step(trainer, samples, advantages, cfg, version)
+            metrics.update({f"train/{k}": v for k, v in train.items()})
             version += 1
             t_sync = 0.0
             if version % ro.update_weights_interval == 0:

@@ -15,12 +15,34 @@ from megatron_sat.checkpoint.hf_io import (
 )
 from megatron_sat.config import TrainConfig
 from megatron_sat.models import build_gpt_model, transformer_config_from_hf
-from megatron_sat.objectives import ObjectiveConfig, policy_loss
-from megatron_sat.rollout.types import Sample
+from megatron_sat.objectives import (
+    SAT_STALENESS,
+    ObjectiveConfig,
+    policy_loss,
+    sat_abs_staleness,
+)
+from megatron_sat.rollout.types import Sample, staleness
 from megatron_sat.routing.replay import capture_routing, replay_routing
 from megatron_sat.training.batching import MicroBatch, build_micro_batch
 from megatron_sat.training.distributed import ParallelConfig, init_distributed
 from megatron_sat.training.logprobs import forward_log_probs, routing_agreement
+from megatron_sat.training.loss_reduction import (
+    MetricAccumulator,
+    dp_loss_scale,
+    global_loss_denominators,
+    global_max,
+    global_sat_quantile,
+    group_size,
+)
+
+
+def ages_tensor(ages: Sequence[int | None], index: int, size: int) -> torch.Tensor | None:
+    """[B] int64 version ages of micro-batch ``index`` (rows ``index * size`` onwards), -1 for
+    a row without an age; None when no sample has an age."""
+    rows = ages[index * size : (index + 1) * size]
+    if all(a is None for a in rows):
+        return None
+    return torch.tensor([-1 if a is None else a for a in rows], dtype=torch.int64)
 
 
 class PolicyTrainer:
@@ -31,8 +53,9 @@ class PolicyTrainer:
         load_from: HF checkpoint directory whose weights are loaded, or None to keep
             megatron-core's random initialisation (seeded by ``train.seed``).
         train: optimisation settings (lr, Adam, clipping, micro-batch size, R3 on/off).
-        parallel: Megatron parallel layout (this version trains at TP = EP = PP = 1 with any
-            number of data-parallel ranks being future work; see ``__init__``).
+        parallel: Megatron parallel layout: TP = EP = PP = 1 and any number of data-parallel
+            ranks (the world size under torchrun). Every DP rank holds the full weights, made
+            identical at construction by a broadcast from DP rank 0.
         pad_token_id: token id used for padding.
 
     Raises:
@@ -73,6 +96,10 @@ class PolicyTrainer:
             ),
             model,
         )
+        from megatron.core import parallel_state
+
+        if parallel_state.get_data_parallel_world_size() > 1:
+            self.model.broadcast_params()
         self.optimizer = get_megatron_optimizer(
             OptimizerConfig(
                 optimizer="adam",
@@ -111,38 +138,123 @@ class PolicyTrainer:
 
     # -- steps ---------------------------------------------------------------------------
     def rl_step(
-        self, samples: Sequence[Sample], advantages: torch.Tensor, objective: ObjectiveConfig
+        self,
+        samples: Sequence[Sample],
+        advantages: torch.Tensor,
+        objective: ObjectiveConfig,
+        *,
+        trainer_version: int | None = None,
     ) -> dict[str, float]:
-        """One optimizer step of the policy objective on ``samples``.
+        """One optimizer step of the policy objective on this rank's share of the batch.
 
-        The ratio's denominator is each token's ``rollout_log_probs`` (ALGORITHMS.md). Loss
-        denominators (tokens, sequences) and SAT's quantile are over the whole batch, not per
-        micro-batch. With ``train.use_r3`` every forward replays the rollout engine's experts.
+        A collective over megatron-core's data-parallel group: every DP rank calls it once per
+        step with its own samples (possibly none). The step is independent of how the global
+        batch is split into micro-batches and ranks, up to fp32 rounding
+        (tests/test_split_invariance.py):
+
+        - Loss denominators (active tokens; responses with >= 1 active token) are counted over
+          all micro-batches of all DP ranks (an all-reduce, ``global_loss_denominators``), so
+          each micro-batch's loss is its share of the global loss. Each share is multiplied by
+          the DP size before ``backward`` because megatron-core's DDP averages gradients over
+          DP ranks (``dp_loss_scale``); the result is the gradient of the global loss.
+        - SAT's quantile q is exact over the global batch: a no-grad forward (same routing as
+          the training forward) gives |d| of every active token, which is all-gathered with
+          uneven sizes and fed to ``sat_reference_quantile`` (``global_sat_quantile``). With
+          one process and one micro-batch ``policy_loss`` computes the same q itself.
+        - The ratio's denominator is ``objective.ratio_denominator``: the rollout engine's
+          ``rollout_log_probs`` (default, SAT Eq. 1) or old log-probs recomputed here by a
+          no-grad forward of the current weights before the update. The old log-probs are also
+          computed for TIS / IcePop.
+        - With ``train.use_r3`` every forward that trains or sets q replays the rollout engine's
+          experts; one more no-grad forward with live routing gives the live diagnostics.
+
+        Args:
+            samples: this rank's samples, whole GRPO groups.
+            advantages: [len(samples)] float advantages.
+            objective: the policy objective.
+            trainer_version: the policy version the trainer holds (optimizer steps so far, the
+                weight version that a sync after this step would *not* yet carry). When given,
+                metrics per version-age bucket are added (``rollout.types.staleness``), and a
+                "recomputed_old" denominator is refused for samples older than 0 versions.
 
         Returns:
-            Metrics averaged over the batch (token-weighted), plus ``grad_norm``, routing
-            agreement with and without replay (``topk_match_r3`` / ``topk_match_live``) and the
-            train-rollout mismatch without replay (``mismatch_abs_logratio_live``).
+            Global metrics (identical on every rank; see ``MetricAccumulator``): the
+            ``policy_loss`` metrics (token means, ``seq_*`` means over responses with an active
+            token, ``age{a}/...`` per version age), ``loss`` (global loss), ``grad_norm`` (the
+            global norm before clipping; absent when ``train.clip_grad == 0``),
+            ``num_tokens`` / ``num_seqs`` (global denominators), routing agreement with and
+            without replay (``topk_match_r3`` / ``topk_match_live``) and the train-rollout
+            mismatch without replay (``mismatch_abs_logratio_live``).
+
+        Raises:
+            ValueError: the global batch has no response token; a "recomputed_old" denominator
+                with samples older than the trainer's version; "seq-mean-token-sum-norm"
+                without ``loss_agg_norm_constant`` (the padded width is split-dependent).
+            RuntimeError: the optimizer skipped the step (non-finite gradients).
         """
+        from megatron.core import parallel_state
+
+        if objective.loss_agg_mode == "seq-mean-token-sum-norm" and (
+            objective.loss_agg_norm_constant is None
+        ):
+            raise ValueError(
+                "ObjectiveConfig.loss_agg_norm_constant must be set for loss_agg_mode="
+                "'seq-mean-token-sum-norm' in training: its default (the padded width) depends "
+                "on the micro-batch split; Dr.GRPO uses the generation budget "
+                "(rollout.max_new_tokens)"
+            )
+        group = parallel_state.get_data_parallel_group()
         use_r3 = self.train_config.use_r3
         mbs = self.micro_batches(samples, advantages, with_routes=True)
-        num_tokens = float(sum(mb.loss_mask.sum() for mb in mbs))
-        num_seqs = float(sum(int((mb.loss_mask.sum(1) > 0).sum()) for mb in mbs))
+        ages = self._sample_ages(samples, trainer_version)
+        num_tokens, num_seqs = global_loss_denominators([mb.loss_mask for mb in mbs], group)
         if num_tokens == 0:
-            raise ValueError("batch has no response tokens to train on")
-        metrics: dict[str, float] = {}
-        total_loss = 0.0
-        live = self._live_routing_diagnostics(mbs)
-        quantile = self._batch_sat_quantile(mbs, objective) if len(mbs) > 1 else None
+            raise ValueError("the global batch has no response tokens to train on")
+        recomputed = objective.ratio_denominator == "recomputed_old"
+        if recomputed and trainer_version is not None:
+            oldest = global_max(max((a for a in ages if a is not None), default=0), group)
+            if oldest > 0:
+                raise ValueError(
+                    f"ObjectiveConfig.ratio_denominator='recomputed_old' divides by the current "
+                    f"policy, but a sample is {oldest} version(s) old: use 'rollout'"
+                )
 
+        live = self._no_grad_log_probs(mbs, replay=False)
+        needs_old = (
+            recomputed or objective.tis_cap is not None or objective.icepop_range is not None
+        )
+        global_q = objective.name in SAT_STALENESS and (group_size(group) > 1 or len(mbs) > 1)
+        trained_routing = live
+        if use_r3 and (needs_old or global_q):
+            trained_routing = self._no_grad_log_probs(mbs, replay=True)
+        old = [lp if needs_old else None for lp, _ in trained_routing]
+        quantile = None
+        if global_q:
+            abs_d = [
+                sat_abs_staleness(
+                    lp, o if recomputed else mb.rollout_log_probs, mb.loss_mask, objective
+                )
+                for (lp, _), o, mb in zip(trained_routing, old, mbs, strict=True)
+            ]
+            quantile = global_sat_quantile(abs_d, objective.sat_alpha, group)
+
+        acc = MetricAccumulator()
+        for mb, (lp, match) in zip(mbs, live, strict=True):
+            n = float(mb.loss_mask.sum())
+            diff = ((lp - mb.rollout_log_probs).abs() * mb.loss_mask).sum() / max(n, 1.0)
+            acc.add(
+                {"topk_match_live": match, "mismatch_abs_logratio_live": diff},
+                {"num_active_tokens": n},
+            )
+        scale = dp_loss_scale(group)
         self.model.train()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        for mb in mbs:
+        for i, mb in enumerate(mbs):
             replay = (
                 replay_routing(self.model, mb.routing_targets())
                 if use_r3
-                else (contextlib.nullcontext())
+                else contextlib.nullcontext()
             )
             with replay, capture_routing(self.model) as used:
                 log_probs = forward_log_probs(self.model, mb)
@@ -152,87 +264,83 @@ class PolicyTrainer:
                     mb.advantages,
                     mb.loss_mask,
                     objective,
+                    old_log_probs=old[i],
                     global_num_tokens=num_tokens,
                     global_num_seqs=num_seqs,
                     sat_quantile=quantile,
+                    sample_age=ages_tensor(ages, i, self.train_config.micro_batch_size),
                 )
-                loss.backward()
-            weight = float(mb.loss_mask.sum()) / num_tokens
-            total_loss += float(loss.detach())  # already divided by the batch's global denominator
-            mb_metrics["topk_match_r3" if use_r3 else "topk_match_live"] = routing_agreement(
-                used, mb
-            )["topk_match"]
-            for key, value in mb_metrics.items():
-                metrics[key] = metrics.get(key, 0.0) + weight * float(value)
+                (loss * scale).backward()
+            mb_metrics["loss"] = loss.detach()  # this micro-batch's share of the global loss
+            if use_r3:
+                mb_metrics["topk_match_r3"] = routing_agreement(used, mb)["topk_match"]
+            acc.add(mb_metrics)
         self.model.finish_grad_sync()
         update_ok, grad_norm, _ = self.optimizer.step()
         if not update_ok:
             raise RuntimeError("optimizer step was skipped (non-finite gradients)")
-        metrics.update(live, loss=total_loss, grad_norm=float(grad_norm), num_tokens=num_tokens)
+        metrics = acc.reduce(group)
+        metrics.update(num_tokens=num_tokens, num_seqs=num_seqs)
+        if grad_norm is not None:  # megatron-core computes it only to clip (train.clip_grad > 0)
+            metrics["grad_norm"] = float(grad_norm)
         return metrics
 
-    @torch.no_grad()
-    def _live_routing_diagnostics(self, mbs: list[MicroBatch]) -> dict[str, float]:
-        """Without replay: how often the trainer's own top-k equals the rollout's, and the
-        train-rollout log-prob mismatch (mean |log pi - log mu| over response tokens)."""
-        self.model.eval()
-        match, mismatch, total = 0.0, 0.0, 0.0
-        for mb in mbs:
-            with capture_routing(self.model) as used:
-                log_probs = forward_log_probs(self.model, mb)
-            tokens = float(mb.loss_mask.sum())
-            match += tokens * float(routing_agreement(used, mb)["topk_match"])
-            diff = (log_probs - mb.rollout_log_probs).abs() * mb.loss_mask
-            mismatch += float(diff.sum())
-            total += tokens
-        return {"topk_match_live": match / total, "mismatch_abs_logratio_live": mismatch / total}
+    @staticmethod
+    def _sample_ages(samples: Sequence[Sample], trainer_version: int | None) -> list[int | None]:
+        """Version age of each sample (``rollout.types.staleness``); None without a version or
+        for a sample without response tokens (it has no active token either)."""
+        if trainer_version is None:
+            return [None] * len(samples)
+        return [staleness(s, trainer_version) if s.response_ids else None for s in samples]
 
     @torch.no_grad()
-    def _batch_sat_quantile(
-        self, mbs: list[MicroBatch], objective: ObjectiveConfig
-    ) -> float | None:
-        """SAT's q over the whole batch (all micro-batches), from a no-grad forward with the
-        same routing as the training forward; None for objectives without SAT."""
-        from megatron_sat.objectives import (
-            SAT_STALENESS,
-            sat_abs_staleness,
-            sat_reference_quantile,
-        )
+    def _no_grad_log_probs(
+        self, mbs: list[MicroBatch], replay: bool
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per micro-batch: log-probs [B, S] of a no-grad forward with the current weights, and
+        the fraction of response tokens whose top-k experts equal the rollout engine's.
 
-        if objective.name not in SAT_STALENESS:
-            return None
+        Args:
+            mbs: micro-batches with routes.
+            replay: replay the rollout engine's experts (R3) or route live.
+        """
         self.model.eval()
-        abs_d = []
+        out = []
         for mb in mbs:
-            replay = (
+            ctx = (
                 replay_routing(self.model, mb.routing_targets())
-                if (self.train_config.use_r3)
+                if replay
                 else contextlib.nullcontext()
             )
-            with replay:
+            with ctx, capture_routing(self.model) as used:
                 log_probs = forward_log_probs(self.model, mb)
-            abs_d.append(
-                sat_abs_staleness(log_probs, mb.rollout_log_probs, mb.loss_mask, objective)
-            )
-        return float(sat_reference_quantile(torch.cat(abs_d), objective.sat_alpha))
+            out.append((log_probs, routing_agreement(used, mb)["topk_match"]))
+        return out
 
     def sft_step(self, samples: Sequence[Sample]) -> dict[str, float]:
         """One supervised step: mean negative log-likelihood of the response tokens (live
-        routing). Returns ``{"loss", "grad_norm"}``."""
+        routing), over the global batch (a collective over the data-parallel group, like
+        ``rl_step``). Returns ``{"loss", "grad_norm"}``, both global."""
+        from megatron.core import parallel_state
+
+        group = parallel_state.get_data_parallel_group()
         mbs = self.micro_batches(samples, torch.zeros(len(samples)), with_routes=False)
-        num_tokens = float(sum(mb.loss_mask.sum() for mb in mbs))
+        num_tokens, _ = global_loss_denominators([mb.loss_mask for mb in mbs], group)
+        if num_tokens == 0:
+            raise ValueError("the global batch has no response tokens to train on")
+        scale = dp_loss_scale(group)
         self.model.train()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        total = 0.0
+        acc = MetricAccumulator()
         for mb in mbs:
             log_probs = forward_log_probs(self.model, mb)
             loss = -(log_probs * mb.loss_mask).sum() / num_tokens
-            loss.backward()
-            total += float(loss.detach())
+            (loss * scale).backward()
+            acc.add({"loss": loss.detach()})
         self.model.finish_grad_sync()
         _, grad_norm, _ = self.optimizer.step()
-        return {"loss": total, "grad_norm": float(grad_norm)}
+        return {"loss": acc.reduce(group)["loss"], "grad_norm": float(grad_norm)}
 
     # -- weights -------------------------------------------------------------------------
     def hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
