@@ -1,7 +1,8 @@
 """Sharded HF <-> megatron-core conversion for every architecture: ONE torchrun launch (2 gloo
 ranks, tests/dist/ckpt_parallel.py) covers TP2, EP2 and PP2 round trips and logits, an EP2
 distributed checkpoint loaded at EP1, and the CLI resharding EP2 -> TP2; then this process (a
-world of 1) converts the EP2 checkpoint written by 2 ranks."""
+world of 1) converts the EP2 checkpoint written by 2 ranks. The same launch resumes a
+PolicyTrainer run checkpoint at DP2."""
 
 from __future__ import annotations
 
@@ -69,3 +70,10 @@ def test_two_rank_checkpoint_converts_in_one_process(launch, arch, megatron_worl
     original, written = read_hf_tensors(root / "hf"), read_hf_tensors(out)
     assert sorted(written) == sorted(original)
     assert all(torch.equal(written[k], v) for k, v in original.items())
+
+
+@pytest.mark.slow
+def test_run_checkpoint_resumes_bit_identically_at_dp2(launch):
+    resume = launch[0]["resume_dp2"]
+    assert resume["step"] == 2
+    assert resume["loss_equal"] and resume["weights_equal"], resume["different"]

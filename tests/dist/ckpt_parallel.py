@@ -10,6 +10,9 @@ For each architecture (tiny random HF checkpoint written by rank 0):
 - The CLI: ``convert hf-to-mcore --ep 2`` then ``convert mcore-to-hf --tp 2`` (resharding), the
   written HF checkpoint bitwise equal to the source; a second write without ``--overwrite``
   refused on every rank.
+
+Then a run checkpoint of the real PolicyTrainer at DP2: stopped after step K and resumed in
+fresh trainers, step K + 1 gives bit-identical loss and weights on both ranks (per-rank RNG).
 """
 
 from __future__ import annotations
@@ -218,11 +221,63 @@ def run_arch(arch: str, root: Path) -> dict:
     return result
 
 
+def sft_batch(vocab: int):
+    """Six random samples from the global torch RNG (seeded per rank by the caller)."""
+    from megatron_sat.rollout.types import Sample
+
+    samples = []
+    for i in range(6):
+        tokens = torch.randint(3, vocab, (7,)).tolist()
+        samples.append(Sample(i, i, "", "", tokens[:3], tokens[3:], [0.0] * 4, [0] * 4))
+    return samples
+
+
+def run_resume_dp2(root: Path, k: int = 2) -> dict:
+    from megatron_sat.checkpoint.run_state import load_run_checkpoint, save_run_checkpoint
+    from megatron_sat.config import TrainConfig
+    from megatron_sat.training.trainer import PolicyTrainer
+
+    hf_dir = root / "Qwen3MoeForCausalLM" / "hf"
+    set_layout(ParallelConfig())
+    hf_config = read_hf_config(hf_dir)
+    vocab = hf_config["vocab_size"]
+    train = TrainConfig(lr=3e-3, micro_batch_size=3, use_r3=False, seed=5)
+
+    def trainer() -> PolicyTrainer:
+        return PolicyTrainer(hf_config, train, ParallelConfig(), pad_token_id=0, load_from=hf_dir)
+
+    torch.manual_seed(100 + dist.get_rank())
+    straight = trainer()
+    losses = [straight.sft_step(sft_batch(vocab))["loss"] for _ in range(k + 1)]
+    torch.manual_seed(100 + dist.get_rank())
+    first = trainer()
+    for _ in range(k):
+        first.sft_step(sft_batch(vocab))
+    save_run_checkpoint(root / "run", model=first.model, optimizer=first.optimizer, step=k)
+    torch.manual_seed(7)
+    resumed = trainer()
+    state = load_run_checkpoint(root / "run", model=resumed.model, optimizer=resumed.optimizer)
+    loss = resumed.sft_step(sft_batch(vocab))["loss"]
+    expected = dict(straight.model.module.named_parameters())
+    different = [
+        n for n, p in resumed.model.module.named_parameters() if not torch.equal(p, expected[n])
+    ]
+    records = gather({"loss_equal": loss == losses[k], "different": different, "step": state.step})
+    return {
+        "loss_equal": all(r["loss_equal"] for r in records),
+        "weights_equal": all(not r["different"] for r in records),
+        "different": sorted({d for r in records for d in r["different"]})[:8],
+        "step": records[0]["step"],
+    }
+
+
 def main() -> None:
     root = Path(sys.argv[1])
     init_distributed(ParallelConfig())
     archs = sys.argv[2:] or list(TINY_CONFIGS)
     results = {arch: run_arch(arch, root) for arch in archs}
+    if "Qwen3MoeForCausalLM" in archs:
+        results["resume_dp2"] = run_resume_dp2(root)
     if dist.get_rank() == 0:
         print("CKPT_RESULT " + json.dumps(results), flush=True)
     dist.barrier()
