@@ -5,6 +5,7 @@ extra or mis-shaped tensor fails naming it. Sharded layouts: test_checkpoint_par
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -136,3 +137,36 @@ def test_megatron_core_workarounds_still_target_upstream_code():
     assert "weight.data.cuda()" in inspect.getsource(
         LanguageModule.setup_embeddings_and_output_layer
     )
+
+
+def test_tensors_can_be_dropped_only_explicitly(hf_dir, tmp_path, capsys):
+    """A DeepSeek-V3 multi-token-prediction layer (``model.layers.<num_hidden_layers>``) is not
+    built: its tensors fail the conversion unless dropped by name."""
+    mtp = {
+        "model.layers.2.eh_proj.weight": torch.zeros(32, 64),
+        "model.layers.2.enorm.weight": torch.ones(32),
+    }
+    broken = _broken_copy(hf_dir, tmp_path / "mtp", lambda t: t.update(mtp))
+    out = tmp_path / "out"
+    with pytest.raises(ValueError, match=re.escape(str(sorted(mtp)))):
+        run("hf-to-mcore", "--hf-dir", str(broken), "--out-dir", str(out))
+    run(
+        "hf-to-mcore",
+        "--hf-dir",
+        str(broken),
+        "--out-dir",
+        str(out),
+        "--drop-hf-tensors",
+        r"model\.layers\.2\..*",
+    )
+    assert "dropping 2 HF tensors" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="matches no tensor"):
+        run(
+            "hf-to-mcore",
+            "--hf-dir",
+            str(hf_dir),
+            "--out-dir",
+            str(tmp_path / "o2"),
+            "--drop-hf-tensors",
+            "nothing",
+        )

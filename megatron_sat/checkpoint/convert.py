@@ -18,7 +18,9 @@ CLI: ``python tools/convert_checkpoint.py {hf-to-mcore,mcore-to-hf} ...`` or
 from __future__ import annotations
 
 import argparse
+import re
 import shutil
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +41,7 @@ from megatron_sat.checkpoint.hf_io import (
     read_hf_config,
     write_hf_checkpoint,
 )
+from megatron_sat.checkpoint.hf_map import format_names
 from megatron_sat.checkpoint.sharding import load_hf_tensors
 from megatron_sat.training.distributed import ParallelConfig, init_distributed
 
@@ -124,6 +127,28 @@ def _prepare_mcore_dir(out_dir: Path, overwrite: bool) -> None:
         raise FileExistsError(error)
 
 
+class _Without(Mapping[str, torch.Tensor]):
+    """``tensors`` without the names that fully match ``pattern``."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor], pattern: str) -> None:
+        regex = re.compile(pattern)
+        self.tensors = tensors
+        self.dropped = sorted(k for k in tensors if regex.fullmatch(k))
+        self._dropped = set(self.dropped)
+        self._keys = [k for k in tensors if not regex.fullmatch(k)]
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        if key in self._dropped:
+            raise KeyError(key)
+        return self.tensors[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+
 def hf_to_mcore_checkpoint(
     hf_dir: str | Path,
     out_dir: str | Path,
@@ -131,9 +156,10 @@ def hf_to_mcore_checkpoint(
     *,
     overwrite: bool = False,
     dtype: str | None = None,
+    drop_hf_tensors: str | None = None,
     progress: bool = True,
 ) -> Path:
-    """Convert an HF checkpoint into a megatron-core distributed checkpoint (collective).
+    r"""Convert an HF checkpoint into a megatron-core distributed checkpoint (collective).
 
     Args:
         hf_dir: HF checkpoint directory (``config.json``, ``*.safetensors``, tokenizer).
@@ -142,12 +168,15 @@ def hf_to_mcore_checkpoint(
             default TP = EP = PP = 1.
         overwrite: replace a previous megatron-core checkpoint in ``out_dir``.
         dtype: parameter dtype name; default config.json's ``dtype``.
+        drop_hf_tensors: a regex; HF tensors whose name fully matches it are left out on
+            purpose (e.g. DeepSeek-V3's multi-token-prediction layer ``model\.layers\.61\..*``,
+            which the model does not build) and listed on stdout. Every other tensor must map.
         progress: show a progress bar on rank 0.
 
     Raises:
         FileExistsError: for a non-empty ``out_dir`` without ``overwrite``.
         ValueError: for missing, unused or mis-shaped HF tensors (named), an unsupported
-            architecture or config value.
+            architecture or config value, or a ``drop_hf_tensors`` that matches nothing.
     """
     parallel = parallel or ParallelConfig()
     hf_config = read_hf_config(hf_dir)
@@ -155,7 +184,14 @@ def hf_to_mcore_checkpoint(
     out = Path(out_dir)
     _prepare_mcore_dir(out, overwrite)
     model = build_model(hf_config, parallel, checkpoint_dtype(hf_config, dtype))
-    load_hf_tensors(model, HFTensors(hf_dir), hf_config, progress=progress)
+    tensors: Mapping[str, torch.Tensor] = HFTensors(hf_dir)
+    if drop_hf_tensors is not None:
+        tensors = _Without(tensors, drop_hf_tensors)
+        if not tensors.dropped:
+            raise ValueError(f"--drop-hf-tensors {drop_hf_tensors!r} matches no tensor")
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(f"dropping {len(tensors.dropped)} HF tensors: {format_names(tensors.dropped)}")
+    load_hf_tensors(model, tensors, hf_config, progress=progress)
     save_model_checkpoint(model, out, hf_config)
     if not dist.is_initialized() or dist.get_rank() == 0:
         (out / TOKENIZER_SUBDIR).mkdir(exist_ok=True)
@@ -239,6 +275,12 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--dtype", choices=sorted(_DTYPES), help="default: config.json dtype")
         p.add_argument("--overwrite", action="store_true", help="replace an existing output")
         p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+        if name == "hf-to-mcore":
+            p.add_argument(
+                "--drop-hf-tensors",
+                metavar="REGEX",
+                help="leave out HF tensors whose name fully matches (e.g. MTP layers)",
+            )
         if name == "mcore-to-hf":
             p.add_argument("--tokenizer-dir", help="default: the checkpoint's tokenizer/")
             p.add_argument("--max-shard-size", default="5GB", help="e.g. 5GB, 500MB")
@@ -262,6 +304,7 @@ def main(argv: list[str] | None = None) -> int:
                 parallel,
                 overwrite=args.overwrite,
                 dtype=args.dtype,
+                drop_hf_tensors=args.drop_hf_tensors,
                 progress=not args.no_progress,
             )
         else:
