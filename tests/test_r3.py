@@ -372,6 +372,10 @@ def test_missing_targets_and_misuse_raise(megatron_world):
     with pytest.raises(ValueError, match="has 4 rows but the router sees 6 tokens"):
         with controller.replay({0: shorter}, training=False), controller.micro_batch(0):
             forward_log_probs(model, mb)
+    outside = {**routes.targets, 4: routes.targets[4].clone().fill_(8)}
+    with pytest.raises(ValueError, match=r"layer 4 holds expert ids outside \[0, 8\)"):
+        with controller.replay({0: MicroBatchRoutes(outside)}):
+            pass
     twice = {**routes.targets, 2: routes.targets[2][:, [0, 0]]}
     with pytest.raises(ValueError, match="layer 2 repeats an expert"):
         with controller.replay({0: MicroBatchRoutes(twice)}):

@@ -164,12 +164,16 @@ class ReplayReport:
             ``{"r3_topk_differ": overall, "r3_topk_differ_layer{n}": per MoE layer}``, fractions
             in [0, 1]; layers without audited tokens (dense, or not audited) are left out.
         """
-        counts = torch.zeros(num_layers + 1, 2, dtype=torch.float64)
+        device = "cpu"
+        if torch.distributed.is_initialized() and torch.distributed.get_backend(group) == "nccl":
+            device = torch.device("cuda", torch.cuda.current_device())
+        counts = torch.zeros(num_layers + 1, 2, dtype=torch.float64, device=device)
         for layer, differ in self.differ.items():
-            counts[layer, 0] += float(differ)
-            counts[layer, 1] += float(self.tokens[layer])
+            counts[layer, 0] += differ.to(device)
+            counts[layer, 1] += self.tokens[layer].to(device)
         if torch.distributed.is_initialized():
             torch.distributed.all_reduce(counts, group=group)
+        counts = counts.cpu()
         out = {}
         for layer in range(1, num_layers + 1):
             if counts[layer, 1] > 0:
@@ -275,10 +279,12 @@ class RoutingReplay:
         coords = dict(
             tp_rank=self.tp_rank, tp_size=self.tp_size, sequence_parallel=self.sequence_parallel
         )
+        device = self.routers[self.layers[0]].weight.device
+        routes = routes.to(device, non_blocking=True)  # compact ids: one small copy
         targets = router_targets(routes, self.layers, num_layers=self.num_layers, **coords)
         return MicroBatchRoutes(
             targets=targets,
-            real=None if real is None else router_token_order(real.bool(), **coords),
+            real=None if real is None else router_token_order(real.to(device).bool(), **coords),
         )
 
     # -- sessions --------------------------------------------------------------------------
@@ -321,8 +327,17 @@ class RoutingReplay:
                     f"layers {self.layers}: missing {missing}, not in this model (or pipeline "
                     f"stage) {extra}"
                 )
-            for layer, target in mb_routes.targets.items():
-                self._check_target(mb, layer, target, mb_routes.real)
+        flags = {
+            (mb, layer): self._check_target(mb, layer, target, mb_routes.real)
+            for mb, mb_routes in routes.items()
+            for layer, target in mb_routes.targets.items()
+        }
+        flags = {key: flag for key, flag in flags.items() if flag is not None}
+        device = next(iter(flags.values())).device if flags else None
+        if flags and bool(torch.stack([f.to(device) for f in flags.values()]).any()):
+            for (mb, layer), flag in flags.items():
+                if bool(flag):
+                    self._name_bad_target(mb, layer, routes[mb].targets[layer])
         with self._session("replay", training, audit, capture, routes) as report:
             yield report
 
@@ -364,9 +379,12 @@ class RoutingReplay:
     # -- internals -------------------------------------------------------------------------
     def _check_target(
         self, mb: int, layer: int, target: torch.Tensor, real: torch.Tensor | None
-    ) -> None:
+    ) -> torch.Tensor | None:
+        """Check shape and dtype now; return a 0-dim bool tensor, True when an id is out of
+        range or repeated within a token's top-k (checked for all targets with one device
+        sync in :meth:`replay`, then named by :meth:`_name_bad_target`)."""
         router = self.routers[layer]
-        num_experts, top_k = router.config.num_moe_experts, router.topk
+        top_k = router.topk
         where = f"routing replay target of micro-batch {mb}, layer {layer}"
         if target.dim() != 2 or target.shape[1] != top_k:
             raise ValueError(
@@ -374,16 +392,24 @@ class RoutingReplay:
             )
         if target.dtype != torch.int64:
             raise ValueError(f"{where} has dtype {target.dtype}; expected torch.int64")
-        if target.numel() and (int(target.min()) < 0 or int(target.max()) >= num_experts):
-            raise ValueError(f"{where} holds expert ids outside [0, {num_experts})")
-        if top_k > 1 and target.numel():
-            ordered = target.sort(dim=1).values
-            if bool((ordered[:, 1:] == ordered[:, :-1]).any()):
-                raise ValueError(f"{where} repeats an expert within a token's top-k")
         if real is not None and real.shape != (target.shape[0],):
             raise ValueError(
                 f"{where}: real mask has shape {tuple(real.shape)}, target {target.shape[0]} rows"
             )
+        if not target.numel():
+            return None
+        bad = (target < 0) | (target >= router.config.num_moe_experts)
+        if top_k > 1:
+            ordered = target.sort(dim=1).values
+            return bad.any() | (ordered[:, 1:] == ordered[:, :-1]).any()
+        return bad.any()
+
+    def _name_bad_target(self, mb: int, layer: int, target: torch.Tensor) -> None:
+        num_experts = self.routers[layer].config.num_moe_experts
+        where = f"routing replay target of micro-batch {mb}, layer {layer}"
+        if int(target.min()) < 0 or int(target.max()) >= num_experts:
+            raise ValueError(f"{where} holds expert ids outside [0, {num_experts})")
+        raise ValueError(f"{where} repeats an expert within a token's top-k")
 
     @contextlib.contextmanager
     def _session(self, mode, training, audit, capture, routes) -> Iterator[ReplayReport]:
@@ -527,9 +553,10 @@ class RoutingReplay:
         if call.own is not None:
             differ = (call.own.sort(dim=1).values != call.replayed.sort(dim=1).values).any(dim=1)
             if call.real is not None:
-                differ, count = differ & call.real, call.real.sum()
+                real = call.real.to(differ.device)
+                differ, count = differ & real, real.sum()
             else:
-                count = torch.tensor(differ.numel())
+                count = torch.tensor(differ.numel(), device=differ.device)
             report = self._report
             report.differ[layer] = report.differ.get(layer, 0) + differ.sum()
             report.tokens[layer] = report.tokens.get(layer, 0) + count

@@ -23,6 +23,8 @@ experts, int16 above) until a router's target is cut from them
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -82,6 +84,17 @@ class MicroBatch:
     def to_sample_layout(self, x: torch.Tensor) -> torch.Tensor:
         """Model layout [B, S, ...] -> sample layout [B, S, ...]: the identity here."""
         return x
+
+    def to(self, device: torch.device | str) -> MicroBatch:
+        """A copy with every tensor on ``device``."""
+        return dataclasses.replace(
+            self,
+            **{
+                f.name: getattr(self, f.name).to(device)
+                for f in dataclasses.fields(self)
+                if torch.is_tensor(getattr(self, f.name))
+            },
+        )
 
     def routing_targets(self, layers: Sequence[int] | None = None) -> dict[int, torch.Tensor]:
         """Global 1-based layer number -> int64 [S * B, K] in the router's token order, for a
@@ -204,18 +217,23 @@ def place_tokens(
         for s in samples:
             check_sample_routes(s, num_layers, top_k, num_experts)
         dtype = torch.from_numpy(np.zeros(0, dtype=compact_expert_dtype(num_experts))).dtype
-        filler = torch.from_numpy(filler_routes(rows * seq, top_k, num_experts)).to(dtype)
-        routes = filler.view(rows, seq, 1, top_k).expand(rows, seq, num_layers, top_k).clone()
-        if samples:
-            flat_routes = torch.cat(
-                [
-                    torch.from_numpy(np.ascontiguousarray(s.routed_experts)).to(dtype)
-                    for s in samples
-                ]
-            )
-            route_offsets = offsets - torch.arange(len(samples))  # each sample has len - 1 rows
-            take = route_offsets[src_row] + sample_pos.clamp(min=0)
-            routes[routes_valid] = flat_routes[take[routes_valid]]
+        # One gather from [rollout rows of every sample; one cycle of filler rows]: filler row
+        # i repeats with period num_experts / gcd(top_k, num_experts).
+        period = num_experts // math.gcd(top_k, num_experts)
+        cycle = torch.from_numpy(filler_routes(period, top_k, num_experts)).to(dtype)
+        parts = [
+            torch.from_numpy(np.ascontiguousarray(s.routed_experts)).to(dtype) for s in samples
+        ]
+        parts.append(cycle[:, None, :].expand(period, num_layers, top_k))
+        table = torch.cat(parts)
+        num_rollout_rows = table.shape[0] - period
+        route_offsets = offsets - torch.arange(len(samples))  # each sample has len - 1 rows
+        take = torch.where(
+            routes_valid,
+            route_offsets[src_row] + sample_pos.clamp(min=0),
+            num_rollout_rows + torch.arange(rows * seq).view(rows, seq) % period,
+        )
+        routes = table[take]
     return PlacedTokens(input_ids, labels, routes, routes_valid)
 
 

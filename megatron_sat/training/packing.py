@@ -24,6 +24,7 @@ Tokens, labels and routes go through one index map (``sample_row``, ``sample_pos
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -64,7 +65,7 @@ def block_causal_mask(segment: torch.Tensor) -> torch.Tensor:
     u > t. ``segment`` is int64 [R, T], one id per sample of a row (padding its own id)."""
     seq = segment.shape[1]
     same = segment[:, :, None] == segment[:, None, :]
-    causal = torch.ones(seq, seq, dtype=torch.bool).tril()
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=segment.device).tril()
     return (~(same & causal)).unsqueeze(1)
 
 
@@ -112,9 +113,20 @@ class PackedMicroBatch:
     @property
     def active(self) -> torch.Tensor:
         """bool [R, T] in the model layout: positions whose outputs give response log-probs."""
-        flat = torch.zeros(self.input_ids.numel(), dtype=torch.bool)
+        flat = torch.zeros(self.input_ids.numel(), dtype=torch.bool, device=self.input_ids.device)
         flat[self._src] = self.samples.loss_mask.bool().reshape(-1)[self._dst]
         return flat.view_as(self.input_ids)
+
+    def to(self, device: torch.device | str) -> PackedMicroBatch:
+        """A copy with every tensor on ``device`` (the per-sample view too)."""
+        fields = {
+            f.name: getattr(self, f.name).to(device)
+            if torch.is_tensor(getattr(self, f.name))
+            else getattr(self, f.name)
+            for f in dataclasses.fields(self)
+        }
+        fields["samples"] = self.samples.to(device)
+        return PackedMicroBatch(**fields)
 
     def routing_targets(self, layers: Sequence[int] | None = None) -> dict[int, torch.Tensor]:
         """As :meth:`MicroBatch.routing_targets`, for the packed rows."""
