@@ -20,7 +20,7 @@ Payload bytes per token: SGLang's wire format (int32 [layers, top_k] per token, 
 compact form the trainer stores (uint8 up to 256 experts), for this model and for
 Qwen3-30B-A3B (48 layers, top-8, 128 experts).
 The last line is JSON with every figure. Usage:
-``python bench/r3_overhead.py [--steps 16] [--threads 1] [--hidden 256 --layers 4 ...]``.
+``python bench/r3_overhead.py [--steps 24] [--threads 1] [--hidden 256 --layers 4 ...]``.
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ def payload_bytes(num_layers: int, top_k: int, num_experts: int, tokens: int = 1
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=16, help="timed step pairs")
+    parser.add_argument("--steps", type=int, default=24, help="timed step pairs")
     parser.add_argument("--micro-batches", type=int, default=2)
     parser.add_argument("--micro-batch-size", type=int, default=4)
     parser.add_argument("--seq", type=int, default=256)
