@@ -263,7 +263,8 @@ class RoutingReplay:
         self, routes: torch.Tensor, real: torch.Tensor | None = None
     ) -> MicroBatchRoutes:
         """This rank's :class:`MicroBatchRoutes` from a micro-batch's routes in the model's
-        input layout.
+        input layout: this stage's layers, this TP rank's sequence shard under SP, int64 on the
+        routers' device (the compact routes are copied there once, then cut and widened).
 
         Args:
             routes: [B, S, L, K] expert ids (any integer dtype), L = all decoder layers.
