@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Stop the daemons that examples/local_cluster/slurm_up.sh STATE_DIR started, by their recorded
-# pids (never by name). munged is stopped only if slurm_up.sh started it.
+# pids (never by name), munged included (slurm_up.sh runs its own, under STATE_DIR).
 set -euo pipefail
 state="${1:?usage: slurm_down.sh STATE_DIR}"
-for pidfile in "$state/slurmd.pid" "$state/slurmctld.pid" "$state/munged.pid.started"; do
+for pidfile in "$state/slurmd.pid" "$state/slurmctld.pid" "$state/munge/munged.pid"; do
   if [[ -f "$pidfile" ]]; then
     pid="$(cat "$pidfile")"
     kill "$pid" 2>/dev/null || true

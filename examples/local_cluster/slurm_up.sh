@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Start a single-node SLURM (munge + slurmctld + slurmd, Debian's packages) on this machine, to
-# try the sbatch path without a cluster. This is what tests/test_launch_cluster.py uses.
+# Start a single-node SLURM (munged + slurmctld + slurmd, Debian's packages) on this machine,
+# to try the sbatch path without a cluster. This is what tests/test_launch_cluster.py uses.
 #
 # Usage: bash examples/local_cluster/slurm_up.sh STATE_DIR [NUM_CPUS]
 #   Installs the packages with apt-get when missing (needs root), writes STATE_DIR/slurm.conf
-#   (its own ports, spool and pid files under STATE_DIR; /etc/slurm is not touched), starts the
-#   daemons and waits until the node is idle. Then: export SLURM_CONF=STATE_DIR/slurm.conf.
+#   (its own ports, munge socket and key, spool and pid files under STATE_DIR; /etc/slurm and
+#   /etc/munge are not touched), starts the daemons and waits until the node is idle.
+#   Then: export SLURM_CONF=STATE_DIR/slurm.conf.
 #   NUM_CPUS (default 8) is the node's CPU count as SLURM sees it (config_overrides lets it
 #   exceed the real cores, so that trainer and server job steps fit on a 2-core machine).
 # Stop with examples/local_cluster/slurm_down.sh STATE_DIR (kills by the recorded pids only).
@@ -25,20 +26,24 @@ if [[ $missing == 1 ]]; then
     slurmctld slurmd slurm-client munge >&2
 fi
 
-# munge: a key, then the daemon (as the munge user) unless one already answers.
-if [[ ! -s /etc/munge/munge.key ]]; then
-  mkdir -p /etc/munge
-  dd if=/dev/urandom of=/etc/munge/munge.key bs=1024 count=1 status=none
-  chown munge:munge /etc/munge/munge.key
-  chmod 400 /etc/munge/munge.key
+# munge: a daemon of our own (key, socket, pid and log under STATE_DIR), so that this cluster
+# neither depends on nor disturbs a system munged or another test's cluster on the machine.
+munge_dir="$state/munge"
+mkdir -p "$munge_dir"
+chmod 755 "$munge_dir"
+if [[ ! -s "$munge_dir/munge.key" ]]; then
+  dd if=/dev/urandom of="$munge_dir/munge.key" bs=1024 count=1 status=none
+  chmod 400 "$munge_dir/munge.key"
 fi
-if ! munge -n </dev/null >/dev/null 2>&1; then
-  mkdir -p /run/munge /var/log/munge /var/lib/munge
-  chown munge:munge /run/munge /var/log/munge /var/lib/munge
-  runuser -u munge -- /usr/sbin/munged
-  echo "$(cat /run/munge/munged.pid)" > "$state/munged.pid.started"
-  for _ in $(seq 50); do munge -n </dev/null >/dev/null 2>&1 && break; sleep 0.1; done
-  munge -n </dev/null >/dev/null || { echo "slurm_up: munged did not start" >&2; exit 1; }
+socket="$munge_dir/munge.socket"
+if ! munge -n -S "$socket" </dev/null >/dev/null 2>&1; then
+  # --force: run as root (the daemon's files are root's, in STATE_DIR).
+  /usr/sbin/munged --force --socket="$socket" --key-file="$munge_dir/munge.key" \
+    --pid-file="$munge_dir/munged.pid" --log-file="$munge_dir/munged.log" \
+    --seed-file="$munge_dir/munged.seed"
+  for _ in $(seq 50); do munge -n -S "$socket" </dev/null >/dev/null 2>&1 && break; sleep 0.1; done
+  munge -n -S "$socket" </dev/null >/dev/null \
+    || { echo "slurm_up: munged did not start; $munge_dir/munged.log" >&2; exit 1; }
 fi
 
 host="$(hostname -s)"
@@ -53,6 +58,7 @@ SlurmdPort=$(free_port)
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
+AuthInfo=socket=$socket
 StateSaveLocation=$state/ctld
 SlurmdSpoolDir=$state/d
 SlurmctldPidFile=$state/slurmctld.pid
