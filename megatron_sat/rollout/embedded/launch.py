@@ -106,6 +106,9 @@ class EmbeddedServer:
                 stdout=self._log,
                 stderr=subprocess.STDOUT,
                 env={**os.environ, **self.config.env},
+                # Its own session: a Ctrl-C in the terminal reaches the trainer only, which then
+                # shuts the server down in order instead of losing it mid-step.
+                start_new_session=True,
             )
             try:
                 self._wait_healthy()

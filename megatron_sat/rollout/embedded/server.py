@@ -44,6 +44,7 @@ import argparse
 import asyncio
 import logging
 import math
+import os
 import secrets
 import threading
 import time
@@ -519,7 +520,22 @@ def main(argv: list[str] | None = None) -> None:
         time.perf_counter() - start,
         config.random_seed,
     )
+    _exit_with_parent()
     uvicorn.run(create_app(state), host=config.host, port=config.port, log_level="warning")
+
+
+def _exit_with_parent(poll_s: float = 2.0) -> None:
+    """End this server when the process that started it dies (it runs in its own session, so
+    no terminal signal reaches it; a killed trainer must not leave it behind)."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        logger.warning("parent process %d exited; shutting down", parent)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 if __name__ == "__main__":
