@@ -361,8 +361,10 @@ def sat_gspo_objective(
     response ([B, 1]); the quantile weights each response by its active tokens, which equals
     Eq. 14 over the broadcast proxy of Eq. 20 exactly (`sat_reference_quantile`).
     """
-    log_rho = _detached_sequence_log_ratio(inp)  # [B]
-    num_tokens = inp.mask.sum(dim=-1, keepdim=True)  # [B, 1]
+    num_tokens = inp.mask.sum(dim=-1, keepdim=True)  # [B, 1], counted once for both uses
+    with torch.no_grad():  # = inp.sequence_log_ratio(), bit for bit
+        log_ratio = inp.log_probs - inp.rollout_log_probs
+        log_rho = log_ratio.sum(dim=-1) / num_tokens.squeeze(-1).clamp_min(1).to(log_ratio.dtype)
     rows = num_tokens > 0
     radii = sat_radii(
         log_rho.unsqueeze(-1),

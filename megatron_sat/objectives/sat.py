@@ -162,9 +162,11 @@ def sat_radii(
     mask = loss_mask.to(torch.bool)
     d = torch.where(mask, d.detach(), torch.zeros_like(d))
     abs_d = d.abs()
-    if q is None:
-        w = None if weights is None else weights[mask]
-        q_t = sat_reference_quantile(abs_d[mask], alpha, weights=w)
+    if q is None and weights is None:
+        q_t = sat_reference_quantile(abs_d[mask], alpha)
+    elif q is None:  # inactive entries get weight 0: no boolean indexing (a device sync)
+        w = torch.where(mask, weights, torch.zeros_like(weights)).reshape(-1)
+        q_t = sat_reference_quantile(abs_d.reshape(-1), alpha, weights=w)
     else:
         if isinstance(q, (int, float)) and not q >= 0:
             raise ValueError(f"sat_quantile must be >= 0, got {q!r}")
