@@ -264,6 +264,14 @@ WRONG = [
     ),
     (["launch.gpus_per_node=7"], "launch.rollout_server_tp=4 does not divide the 3 rollout"),
     (["train.micro_batch_size=3"], "train.micro_batch_size=3"),
+    (
+        [
+            "launch.gpus_per_node=16",
+            "launch.trainer_gpus_per_node=12",
+            "rollout.prompts_per_step=256",
+        ],
+        "rollout.prompts_per_step=256 is not divisible by DP 3",
+    ),
     (["launch.gpu_memory_gib=80"], "launch.gpu_memory_gib=80"),
     (["launch.trainer_nodes=2"], "launch.trainer_nodes must be <= num_nodes=1"),
     (["launch.trainer_gpus_per_node=9"], "launch.trainer_gpus_per_node must be <= gpus_per_node"),

@@ -20,8 +20,8 @@ from megatron_sat.rollout.arith import make_arith_splits
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = "examples/configs/tiny_cpu_launch.yaml"
-# Trainer ranks of the small job (data parallel).
-TRAINER_RANKS = 1
+# Trainer ranks of the small job (data parallel 2).
+TRAINER_RANKS = 2
 
 pytestmark = pytest.mark.slow
 
@@ -111,7 +111,7 @@ def test_sbatch_script_runs_the_small_cpu_job(slurm_conf, job_overrides, tmp_pat
         env=env,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=400,
     )
     output = proc.stdout + proc.stderr + _logs(run_dir)
     assert proc.returncode == 0, output
@@ -141,7 +141,7 @@ def test_mpirun_script_runs_the_small_cpu_job(job_overrides, tmp_path):
         env=env,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=400,
     )
     output = proc.stdout + proc.stderr + _logs(run_dir)
     assert proc.returncode == 0, output

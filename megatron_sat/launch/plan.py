@@ -239,7 +239,12 @@ def resolve_plan(cfg: Any, hf_config: dict[str, Any] | None = None) -> LaunchPla
     ro = cfg.rollout
     samples = ro.prompts_per_step * ro.group_size
     mbs = cfg.train.micro_batch_size
-    if samples % (dp * mbs):
+    if ro.prompts_per_step % dp:
+        errors.append(
+            f"rollout.prompts_per_step={ro.prompts_per_step} is not divisible by DP {dp}: the "
+            "trainer scatters whole groups, so the data-parallel ranks would get unequal shares"
+        )
+    elif samples % (dp * mbs):
         errors.append(
             f"train.micro_batch_size={mbs}: the {samples} samples of a step "
             f"(rollout.prompts_per_step={ro.prompts_per_step} x rollout.group_size="
