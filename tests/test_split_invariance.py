@@ -176,7 +176,9 @@ def assert_same_step(got, want, what):
     (m_got, g_got), (m_want, g_want) = got, want
     assert g_want.abs().max() > 0, what
     scale = float(g_want.abs().max())
-    torch.testing.assert_close(g_got, g_want, rtol=1e-5, atol=1e-6 * scale, msg=what)
+    torch.testing.assert_close(
+        g_got, g_want, rtol=1e-5, atol=1e-6 * scale, msg=lambda m: f"{what}: {m}"
+    )
     assert set(m_got) == set(m_want), (what, set(m_got) ^ set(m_want))
     for key, value in m_want.items():
         assert m_got[key] == pytest.approx(value, rel=1e-5, abs=1e-7), (what, key)
