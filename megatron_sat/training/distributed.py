@@ -55,13 +55,19 @@ def init_distributed(parallel: ParallelConfig, seed: int = 1234) -> None:
     """
     apply_cpu_shims()
     if not torch.distributed.is_initialized():
-        if "RANK" not in os.environ:
-            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(free_port()))
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        torch.distributed.init_process_group(backend=default_backend())
+        if "RANK" in os.environ:  # torchrun, srun or mpirun (launch code maps their variables)
+            torch.distributed.init_process_group(backend=default_backend())
+        else:
+            # A 1-process world without touching os.environ: child processes (servers,
+            # launchers) must not inherit a fake torchrun rank.
+            torch.distributed.init_process_group(
+                backend=default_backend(),
+                init_method=f"tcp://127.0.0.1:{free_port()}",
+                rank=0,
+                world_size=1,
+            )
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
