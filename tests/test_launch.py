@@ -385,6 +385,9 @@ def test_openmpi_variables_map_to_torch_env():
 
 def test_torchrun_variables_win_and_partial_or_missing_ones_fail():
     env = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "OMPI_COMM_WORLD_RANK": "0"}
+    with pytest.raises(ValueError, match="stale variables"):
+        resolve_rank_env(dict(env))
+    env["TORCHELASTIC_RUN_ID"] = "job"  # torchrun started by mpirun: its variables win
     assert resolve_rank_env(env) == "torchrun" and env["RANK"] == "1"
     with pytest.raises(ValueError, match="not \\['LOCAL_RANK'\\]"):
         resolve_rank_env({"RANK": "0", "WORLD_SIZE": "1"})

@@ -25,6 +25,10 @@ TRAINER_RANKS = 2
 
 pytestmark = pytest.mark.slow
 
+# The caller's environment as a process that ran torch.distributed leaves it (the test session
+# itself does, through init_distributed): the scripts must not let it decide the ranks.
+STALE_RANK_ENV = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -104,7 +108,7 @@ def _logs(run_dir: Path) -> str:
 
 def test_sbatch_script_runs_the_small_cpu_job(slurm_conf, job_overrides, tmp_path):
     run_dir = tmp_path / "run"
-    env = dict(os.environ, SLURM_CONF=slurm_conf, SBATCH_WAIT="1", PYTHON=sys.executable)
+    env = dict(STALE_RANK_ENV, SLURM_CONF=slurm_conf, SBATCH_WAIT="1", PYTHON=sys.executable)
     proc = subprocess.run(
         ["bash", "examples/launch_slurm.sh", CONFIG, *job_overrides(run_dir)],
         cwd=ROOT,
@@ -134,7 +138,7 @@ def test_mpirun_script_runs_the_small_cpu_job(job_overrides, tmp_path):
     if shutil.which("mpirun") is None:
         _apt_install("openmpi-bin")
     run_dir = tmp_path / "run"
-    env = dict(os.environ, PYTHON=sys.executable)
+    env = dict(STALE_RANK_ENV, PYTHON=sys.executable)
     proc = subprocess.run(
         ["bash", "examples/launch_mpirun.sh", CONFIG, *job_overrides(run_dir)],
         cwd=ROOT,

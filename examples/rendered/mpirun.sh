@@ -58,6 +58,9 @@ stop_servers() {  # only the processes this script started, by pid
 }
 trap stop_servers EXIT
 
+# Open MPI hands this environment to local ranks: stale torchrun variables would give
+# every rank the same identity.
+unset RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE
 MPI_FLAGS=(--bind-to none)
 [[ "$(id -u)" == 0 ]] && MPI_FLAGS+=(--allow-run-as-root)
 URLS=()

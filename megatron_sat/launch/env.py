@@ -37,15 +37,24 @@ def resolve_rank_env(environ: MutableMapping[str, str]) -> str:
         launcher: one process; ``init_distributed`` makes a world of 1).
 
     Raises:
-        ValueError: when only some of torchrun's variables are set, when an MPI launcher's
+        ValueError: when only some of torchrun's variables are set, when they are set next to
+            an MPI launcher's without torchrun having set them (stale), when an MPI launcher's
             variables are incomplete or not integers, or when an MPI world lacks
             ``MASTER_ADDR``/``MASTER_PORT`` (naming the missing variable).
     """
     present = [k for k in TORCHRUN_KEYS if k in environ]
+    mpi = [keys[0] for keys in MPI_KEYS.values() if keys[0] in environ]
     if present:
         missing = [k for k in TORCHRUN_KEYS if k not in environ]
         if missing:
             raise ValueError(f"environment has {present} but not {missing}: set all or none")
+        if mpi and "TORCHELASTIC_RUN_ID" not in environ:
+            # torchrun started by mpirun sets TORCHELASTIC_RUN_ID; without it, RANK & co. came
+            # from the caller's environment and every MPI rank would believe it is that rank.
+            raise ValueError(
+                f"{present} are set, not by torchrun, and so is {mpi[0]}: stale variables "
+                "inherited by the MPI ranks; unset RANK, WORLD_SIZE and LOCAL_RANK before mpirun"
+            )
         return "torchrun"
     for source, (rank_key, size_key, local_key, local_size_key) in MPI_KEYS.items():
         if rank_key not in environ:

@@ -264,6 +264,9 @@ def render_mpirun(plan: LaunchPlan, ctx: RenderContext) -> str:
     hosts = la.hosts or [socket.gethostname()]
     lines = ["#!/usr/bin/env bash", *_preamble(plan, ctx, "Open MPI launch")]
     lines += [
+        "# Open MPI hands this environment to local ranks: stale torchrun variables would give",
+        "# every rank the same identity.",
+        "unset RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE",
         "MPI_FLAGS=(--bind-to none)",
         '[[ "$(id -u)" == 0 ]] && MPI_FLAGS+=(--allow-run-as-root)',
         "URLS=()",
