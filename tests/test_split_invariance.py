@@ -339,3 +339,86 @@ def test_config_refuses_recomputed_denominator_in_async_run():
         ObjectiveConfig(ratio_denominator="old")
     with pytest.raises(ValueError, match="loss_agg_norm_constant must be set"):
         load_config(None, ["objective.loss_agg_mode=seq-mean-token-sum-norm"])
+
+
+# ---------------------------------------------------------------- reduction helpers, shares
+
+
+def test_metric_accumulator_by_hand():
+    # Two micro-batches. Token means weight by num_active_tokens (4 and 1 tokens):
+    #   clipfrac_high = (0.5 * 4 + 1.0 * 1) / 5 = 0.6
+    # age buckets weight by their own counts: age0 has 2 + 1 tokens -> (0.5 * 2 + 0 * 1) / 3;
+    #   age1 only in the first -> 0.25
+    # seq_* weight by num_seqs (2 and 1): (0.3 * 2 + 0.6 * 1) / 3 = 0.4
+    # sums: loss shares 0.1 + 0.2, counts; min / same-everywhere keys
+    from megatron_sat.training.loss_reduction import MetricAccumulator
+
+    acc = MetricAccumulator()
+    acc.add(
+        {
+            "loss": 0.1,
+            "num_active_tokens": 4.0,
+            "num_seqs": 2.0,
+            "clipfrac_high": 0.5,
+            "seq_abs_log_ratio": 0.3,
+            "age0/clipfrac_high": 0.5,
+            "age0/num_active_tokens": 2.0,
+            "age1/clipfrac_high": 0.25,
+            "age1/num_active_tokens": 2.0,
+            "sat_q": 0.7,
+            "sat_c_plus_min": 0.4,
+        }
+    )
+    acc.add(
+        {
+            "loss": 0.2,
+            "num_active_tokens": 1.0,
+            "num_seqs": 1.0,
+            "clipfrac_high": 1.0,
+            "seq_abs_log_ratio": 0.6,
+            "age0/clipfrac_high": 0.0,
+            "age0/num_active_tokens": 1.0,
+            "sat_q": 0.7,
+            "sat_c_plus_min": 0.9,
+        }
+    )
+    acc.add({"topk_match_live": 1.0}, {"num_active_tokens": 3.0})
+    out = acc.reduce(None)
+    assert out["loss"] == pytest.approx(0.3) and out["num_active_tokens"] == 5.0
+    assert out["clipfrac_high"] == pytest.approx(0.6)
+    assert out["seq_abs_log_ratio"] == pytest.approx(0.4)
+    assert out["age0/clipfrac_high"] == pytest.approx(1 / 3)
+    assert out["age1/clipfrac_high"] == 0.25 and out["age0/num_active_tokens"] == 3.0
+    assert out["sat_q"] == 0.7 and out["sat_c_plus_min"] == 0.4
+    assert out["topk_match_live"] == 1.0
+    with pytest.raises(KeyError, match="needs the weight 'num_active_tokens'"):
+        MetricAccumulator().add({"k1": 0.1})
+
+
+def test_single_process_helpers_communicate_nothing():
+    from megatron_sat.training.loss_reduction import (
+        all_gather_uneven,
+        global_loss_denominators,
+        global_sat_quantile,
+    )
+
+    masks = [torch.tensor([[1, 1, 0], [0, 0, 0]]), torch.tensor([[1, 0, 0]])]
+    assert global_loss_denominators(masks, None) == (3.0, 2.0)
+    assert global_loss_denominators([], None) == (0.0, 0.0)
+    values = torch.tensor([0.3, 0.1])
+    assert torch.equal(all_gather_uneven(values, None), values)
+    q = global_sat_quantile([torch.tensor([0.3, 0.1]), torch.tensor([0.2])], 0.5, None)
+    assert q.item() == pytest.approx(0.2)  # k = ceil(1.5) = 2nd of [0.1, 0.2, 0.3]
+    assert global_sat_quantile([], 0.9, None).item() == 0.0
+    with pytest.raises(ValueError, match="1-D"):
+        all_gather_uneven(torch.zeros(2, 2), None)
+
+
+def test_dp_shares_are_contiguous_whole_groups():
+    from megatron_sat.training.rl import dp_shares
+
+    assert dp_shares(12, 4, 2) == [slice(0, 8), slice(8, 12)]  # 3 groups: 2 + 1
+    assert dp_shares(16, 4, 2) == [slice(0, 8), slice(8, 16)]
+    assert dp_shares(4, 4, 3) == [slice(0, 4), slice(4, 4), slice(4, 4)]  # ranks without a group
+    with pytest.raises(ValueError, match="not whole groups"):
+        dp_shares(10, 4, 2)
