@@ -387,3 +387,34 @@ def test_sat_gspo_row_radii_equal_token_radii(seed):
     assert metrics["sat_gate_rate"].item() > 0
     for key, value in token.items():
         torch.testing.assert_close(metrics[key], value, rtol=1e-12, atol=1e-15, msg=key)
+
+
+def test_sat_diagnostics_per_age_bucket_by_hand():
+    # The golden SAT-GSPO batch (q = 0.1 at alpha 0.5), rows 0-1 of age 0 and rows 2-3 of age 1.
+    # row 0: gated, c+ = 1 / (1 + 1.5^2) = 0.3076923, eps_high' = 0.0615385 (2 tokens)
+    # row 1: |d| = q, not gated (3 tokens); row 2: d = 0 (2 tokens)
+    # row 3: gated, c+ = 1 / (1 + 2^2) = 0.2, eps_high' = 0.04 (3 tokens)
+    # age0: gate 2/5 = 0.4, eps_high' mean (2 * 0.0615385 + 3 * 0.2) / 5 = 0.1446154, c+ min 0.3077
+    # age1: gate 3/5 = 0.6, eps_high' mean (2 * 0.2 + 3 * 0.04) / 5 = 0.104, c+ min 0.2
+    # eps_low' = 0.2 and c- = 1 everywhere (no gated row has d < 0)
+    lp, adv, mask = sat_gspo_batch()
+    config = ObjectiveConfig(name="sat-gspo", sat_alpha=0.5)
+    _, m = policy_loss(
+        lp, torch.zeros_like(lp), adv, mask, config, sample_age=torch.tensor([0, 0, 1, 1])
+    )
+    expected = {
+        "age0/sat_gate_rate": 0.4,
+        "age0/sat_eps_high_mean": 0.14461538461538462,
+        "age0/sat_eps_low_mean": 0.2,
+        "age0/sat_c_plus_min": 1 / 3.25,
+        "age0/sat_c_minus_min": 1.0,
+        "age1/sat_gate_rate": 0.6,
+        "age1/sat_eps_high_mean": 0.104,
+        "age1/sat_eps_low_mean": 0.2,
+        "age1/sat_c_plus_min": 0.2,
+        "age1/sat_c_minus_min": 1.0,
+        "age0/num_active_tokens": 5,
+        "age1/num_active_tokens": 5,
+    }
+    for key, value in expected.items():
+        assert m[key].item() == pytest.approx(value, abs=1e-12), key

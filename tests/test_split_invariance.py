@@ -202,6 +202,7 @@ def test_reference_exercises_clips_gate_and_ages(reference):
         assert metrics["sat_gate_rate"] > 0 and metrics["sat_q"] > 0, name
         assert metrics["clipfrac_high"] + metrics["clipfrac_low"] > 0, name
         assert {f"age{a}/clipfrac_high" for a in range(3)} <= set(metrics)
+        assert {f"age{a}/sat_gate_rate" for a in range(3)} <= set(metrics)
         assert sum(metrics[f"age{a}/num_active_tokens"] for a in range(3)) == metrics["num_tokens"]
     metrics, _ = reference["grpo/recomputed_old+tis"]
     assert not any(key.startswith("age") for key in metrics)
@@ -350,7 +351,7 @@ def test_metric_accumulator_by_hand():
     # age buckets weight by their own counts: age0 has 2 + 1 tokens -> (0.5 * 2 + 0 * 1) / 3;
     #   age1 only in the first -> 0.25
     # seq_* weight by num_seqs (2 and 1): (0.3 * 2 + 0.6 * 1) / 3 = 0.4
-    # sums: loss shares 0.1 + 0.2, counts; min / same-everywhere keys
+    # sums: loss shares 0.1 + 0.2, counts; min (also per bucket) / same-everywhere keys
     from megatron_sat.training.loss_reduction import MetricAccumulator
 
     acc = MetricAccumulator()
@@ -367,6 +368,7 @@ def test_metric_accumulator_by_hand():
             "age1/num_active_tokens": 2.0,
             "sat_q": 0.7,
             "sat_c_plus_min": 0.4,
+            "age0/sat_c_plus_min": 0.5,
         }
     )
     acc.add(
@@ -380,6 +382,7 @@ def test_metric_accumulator_by_hand():
             "age0/num_active_tokens": 1.0,
             "sat_q": 0.7,
             "sat_c_plus_min": 0.9,
+            "age0/sat_c_plus_min": 0.3,
         }
     )
     acc.add({"topk_match_live": 1.0}, {"num_active_tokens": 3.0})
@@ -390,6 +393,7 @@ def test_metric_accumulator_by_hand():
     assert out["age0/clipfrac_high"] == pytest.approx(1 / 3)
     assert out["age1/clipfrac_high"] == 0.25 and out["age0/num_active_tokens"] == 3.0
     assert out["sat_q"] == 0.7 and out["sat_c_plus_min"] == 0.4
+    assert out["age0/sat_c_plus_min"] == 0.3  # a minimum per bucket too, not a mean
     assert out["topk_match_live"] == 1.0
     with pytest.raises(KeyError, match="needs the weight 'num_active_tokens'"):
         MetricAccumulator().add({"k1": 0.1})

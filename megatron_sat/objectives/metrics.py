@@ -142,7 +142,11 @@ def clip_fractions(
 
 
 def bucket_metrics(
-    per_token: dict[str, Tensor], loss_mask: Tensor, row_bucket: Tensor, prefix: str = "age"
+    per_token: dict[str, Tensor],
+    loss_mask: Tensor,
+    row_bucket: Tensor,
+    prefix: str = "age",
+    minima: dict[str, Tensor] | None = None,
 ) -> dict[str, Tensor]:
     """Token means of per-token diagnostics within each bucket of rows (e.g. version age).
 
@@ -150,13 +154,16 @@ def bucket_metrics(
     `f"{prefix}{a}/{name}"` = mean of `per_token[name]` over the active tokens of the rows in
     bucket `a`, plus `f"{prefix}{a}/num_active_tokens"` and `f"{prefix}{a}/num_seqs"` (rows of
     the bucket with >= 1 active token). A trainer combining batches weights each mean by its
-    bucket's `num_active_tokens`.
+    bucket's `num_active_tokens`. For `minima`, `f"{prefix}{a}/{name}"` is the minimum over the
+    bucket's active tokens instead of the mean.
 
     Args:
-        per_token: name -> [B, T] float values (e.g. `clip_indicators`, `mismatch_terms`).
+        per_token: name -> float values broadcastable to [B, T] (e.g. `clip_indicators`,
+            `mismatch_terms`, SAT radii [B, 1]).
         loss_mask: [B, T] bool or 0/1.
         row_bucket: [B] integer bucket id of each row; negative ids are left out.
         prefix: key prefix, "age" for the version-age buckets of the SAT paper's diagnostics.
+        minima: optional name -> float values broadcastable to [B, T] reduced by min.
 
     Returns:
         Dict of detached 0-dim tensors.
@@ -181,4 +188,8 @@ def bucket_metrics(
             out[f"{prefix}{bucket}/num_seqs"] = in_bucket.sum().to(dtype)
             for name, values in per_token.items():
                 out[f"{prefix}{bucket}/{name}"] = masked_mean(values, bucket_mask)
+            for name, values in (minima or {}).items():
+                values = values.expand(mask.shape)
+                inf = torch.full((), torch.inf, dtype=values.dtype, device=values.device)
+                out[f"{prefix}{bucket}/{name}"] = torch.where(bucket_mask, values, inf).amin()
     return out

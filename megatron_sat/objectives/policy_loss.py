@@ -54,7 +54,7 @@ from megatron_sat.objectives.metrics import (
     masked_mean,
     mismatch_terms,
 )
-from megatron_sat.objectives.sat import sat_metrics, sat_radii
+from megatron_sat.objectives.sat import SatRadii, sat_metrics, sat_radii
 
 # Reference-KL clamp of ALGORITHMS.md ("clamped to [-10, 10]").
 MAX_ABS_REF_LOG_RATIO = 10.0
@@ -186,8 +186,9 @@ class ObjectiveTerms:
     Attributes:
         surrogate: [B, T] per-token surrogate S to *maximise* (the loss is -S).
         ratio: [B, T] detached ratio that was clipped (for clip fractions).
-        eps_low, eps_high: radii used, 0-dim or [B, T], detached.
+        eps_low, eps_high: radii used, 0-dim, [B, 1] or [B, T], detached.
         metrics: objective-specific detached 0-dim metrics.
+        radii: SAT objectives' trust region (for the per-age-bucket SAT diagnostics).
     """
 
     surrogate: Tensor
@@ -195,6 +196,7 @@ class ObjectiveTerms:
     eps_low: Tensor
     eps_high: Tensor
     metrics: dict[str, Tensor] = field(default_factory=dict)
+    radii: SatRadii | None = None
 
 
 def clipped_surrogate(
@@ -341,7 +343,7 @@ def _sat_clip(
 ) -> ObjectiveTerms:
     radii = sat_radii(d, inp.mask, config.eps_low, config.eps_high, config.sat_alpha, q)
     terms = _clip(ratio, inp, config, radii.eps_low, radii.eps_high)
-    return dataclasses.replace(terms, metrics=sat_metrics(radii, inp.mask))
+    return dataclasses.replace(terms, metrics=sat_metrics(radii, inp.mask), radii=radii)
 
 
 def sat_grpo_objective(
@@ -376,7 +378,8 @@ def sat_gspo_objective(
         weights=num_tokens,
     )
     terms = _clip(sequence_token_ratio(inp, log_rho), inp, config, radii.eps_low, radii.eps_high)
-    return dataclasses.replace(terms, metrics=sat_metrics(radii, rows, weights=num_tokens))
+    metrics = sat_metrics(radii, rows, weights=num_tokens)
+    return dataclasses.replace(terms, metrics=metrics, radii=radii)
 
 
 def binary_tv(inp: LossInputs) -> Tensor:
@@ -639,7 +642,9 @@ def policy_loss(
         `sat_c_minus_min`; DPPO adds `dppo_drop_rate`; TIS `tis_weight_mean`; IcePop
         `icepop_keep_rate`; `kl_loss` when `kl_coef > 0`; with `sample_age`,
         `age{a}/clipfrac_low`, `age{a}/clipfrac_high`, `age{a}/mismatch_abs_logratio`,
-        `age{a}/k1`, `age{a}/k3`, `age{a}/num_active_tokens`, `age{a}/num_seqs` per age a.
+        `age{a}/k1`, `age{a}/k3`, `age{a}/num_active_tokens`, `age{a}/num_seqs` per age a, and
+        for SAT `age{a}/sat_gate_rate`, `age{a}/sat_eps_low_mean`, `age{a}/sat_eps_high_mean`,
+        `age{a}/sat_c_plus_min`, `age{a}/sat_c_minus_min`.
 
     Raises:
         ValueError: a shape mismatch (naming the argument), `kl_coef > 0` without
@@ -702,7 +707,16 @@ def policy_loss(
     }
     if sample_age is not None:
         per_age = {k: clip[k] for k in ("clipfrac_low", "clipfrac_high")} | mismatch
-        metrics.update(bucket_metrics(per_age, inp.mask, sample_age, prefix="age"))
+        minima = None
+        if terms.radii is not None:  # SAT diagnostics per bucket (q is the batch's, one value)
+            radii = terms.radii
+            per_age |= {
+                "sat_gate_rate": radii.gate.to(inp.log_probs.dtype),
+                "sat_eps_low_mean": radii.eps_low,
+                "sat_eps_high_mean": radii.eps_high,
+            }
+            minima = {"sat_c_plus_min": radii.c_plus, "sat_c_minus_min": radii.c_minus}
+        metrics.update(bucket_metrics(per_age, inp.mask, sample_age, prefix="age", minima=minima))
     if config.kl_coef > 0:
         kl_loss = agg(reference_kl(inp, ref_log_probs))
         loss = loss + config.kl_coef * kl_loss

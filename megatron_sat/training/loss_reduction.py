@@ -138,6 +138,12 @@ MIN_METRICS = frozenset({"sat_c_plus_min", "sat_c_minus_min"})
 SAME_METRICS = frozenset({"sat_q"})
 
 
+def _base_name(key: str) -> str:
+    """``key`` without its ``age{a}/`` prefix."""
+    match = _AGE.match(key)
+    return match.group(2) if match else key
+
+
 def metric_weight_key(key: str) -> str | None:
     """How ``key`` combines over micro-batches and ranks; the name of its weight for a mean.
 
@@ -147,7 +153,8 @@ def metric_weight_key(key: str) -> str | None:
     - sequence means (``seq_*``): weighted by ``num_seqs`` (rows with >= 1 active token);
     - everything else is a token mean, weighted by ``num_active_tokens``; an ``age{a}/`` key
       by its bucket's ``age{a}/num_active_tokens`` (or ``age{a}/num_seqs`` for ``seq_*``).
-    ``MIN_METRICS`` and ``SAME_METRICS`` are handled by ``MetricAccumulator`` itself.
+    ``MIN_METRICS`` (also with an ``age{a}/`` prefix) and ``SAME_METRICS`` are handled by
+    ``MetricAccumulator`` itself.
     """
     match = _AGE.match(key)
     prefix, name = (match.group(1), match.group(2)) if match else ("", key)
@@ -187,7 +194,7 @@ class MetricAccumulator:
         weights = weights or {}
         values = {k: float(v) for k, v in metrics.items()}
         for key, value in values.items():
-            if key in MIN_METRICS:
+            if _base_name(key) in MIN_METRICS:
                 self._mins[key] = min(self._mins.get(key, math.inf), value)
             elif key in SAME_METRICS:
                 self._maxs[key] = max(self._maxs.get(key, -math.inf), value)
