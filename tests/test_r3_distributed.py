@@ -27,18 +27,19 @@ EXPECTED = {
 
 
 @pytest.fixture(scope="module")
-def results() -> dict[tuple[str, int], dict]:
+def results(tmp_path_factory) -> dict[tuple[str, int], dict]:
     torchrun = Path(sys.executable).with_name("torchrun")
     cmd = [str(torchrun), "--nproc_per_node=2", "tests/dist/r3_parallel.py"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    result_dir = tmp_path_factory.mktemp("r3_results")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), R3_RESULT_DIR=str(result_dir))
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0 and "R3_DONE" in proc.stdout, (
         proc.stdout[-3000:] + proc.stderr[-6000:]
     )
     out = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("R3_RESULT "):
-            r = json.loads(line[len("R3_RESULT ") :])
+    for path in sorted(result_dir.glob("rank*.jsonl")):
+        for line in path.read_text().splitlines():
+            r = json.loads(line)
             out[(r["case"], r["rank"])] = r
     return out
 

@@ -25,6 +25,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
+
+
+def _emit(result: dict) -> None:
+    """One JSON line per case in this rank's own file: two ranks printing to one pipe can
+    interleave their lines."""
+    out = Path(os.environ["R3_RESULT_DIR"]) / f"rank{result['rank']}.jsonl"
+    with out.open("a") as f:
+        f.write(json.dumps(result) + "\n")
+
+
 from r3_common import (
     HF_CONFIG,
     build,
@@ -222,12 +232,12 @@ def main() -> None:
                     ref["live_loss"]
                 )
         result["seconds"] = round(time.perf_counter() - start, 2)
-        print("R3_RESULT " + json.dumps(result), flush=True)
+        _emit(result)
         del model
     result = dict(
         case="global_instances", rank=rank, count=len(RouterReplay.global_router_replay_instances)
     )
-    print("R3_RESULT " + json.dumps(result), flush=True)
+    _emit(result)
     torch.distributed.barrier()
     if rank == 0:
         print("R3_DONE", flush=True)
