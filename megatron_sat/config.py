@@ -101,6 +101,9 @@ class TrainConfig:
         adam_beta1, adam_beta2, weight_decay, clip_grad: Adam and gradient-norm clipping.
         use_r3: replay the rollout engine's experts in the trainer (R3).
         eval_every: held-out evaluation every this many steps (and at 0 and the end).
+        save_every: run checkpoint (model, optimizer, RNG, data position, weight version)
+            every this many steps, and always after the last one; 0 = only after the last.
+        resume: continue from the latest run checkpoint in ``run_dir``.
         seed: seed of data order, sampling and initialisation.
     """
 
@@ -113,10 +116,14 @@ class TrainConfig:
     clip_grad: float = 1.0
     use_r3: bool = True
     eval_every: int = 10
+    save_every: int = 0
+    resume: bool = False
     seed: int = 1234
 
     def __post_init__(self) -> None:
         _positive("train", self, "num_steps", "micro_batch_size", "lr", "eval_every")
+        if self.save_every < 0:
+            raise ValueError(f"train.save_every must be >= 0, got {self.save_every}")
 
 
 @dataclass

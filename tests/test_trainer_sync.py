@@ -99,23 +99,20 @@ def test_main_loop_end_to_end(tmp_path, tiny_checkpoint, megatron_world):
     train, test = make_arith_splits(64, 8, seed=0, max_digits=1)
     for name, rows in (("train", train), ("test", test)):
         (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    cfg = load_config(
-        None,
-        [
-            f"init_checkpoint={tiny_checkpoint}",
-            f"run_dir={tmp_path / 'run'}",
-            f"data.train_path={tmp_path / 'train.jsonl'}",
-            f"data.eval_path={tmp_path / 'test.jsonl'}",
-            "rollout.prompts_per_step=4",
-            "rollout.group_size=4",
-            "rollout.max_new_tokens=4",
-            "rollout.eval_samples_per_prompt=2",
-            "train.num_steps=2",
-            "train.eval_every=1",
-            "train.micro_batch_size=8",  # two micro-batches: SAT's q over the whole batch
-        ],
-    )
-    summary = run_rl(cfg)
+    overrides = [
+        f"init_checkpoint={tiny_checkpoint}",
+        f"run_dir={tmp_path / 'run'}",
+        f"data.train_path={tmp_path / 'train.jsonl'}",
+        f"data.eval_path={tmp_path / 'test.jsonl'}",
+        "rollout.prompts_per_step=4",
+        "rollout.group_size=4",
+        "rollout.max_new_tokens=4",
+        "rollout.eval_samples_per_prompt=2",
+        "train.eval_every=1",
+        "train.micro_batch_size=8",  # two micro-batches: SAT's q over the whole batch
+        "train.num_steps=2",
+    ]
+    summary = run_rl(load_config(None, overrides))
     run = tmp_path / "run"
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2]
@@ -136,3 +133,13 @@ def test_main_loop_end_to_end(tmp_path, tiny_checkpoint, megatron_world):
     from transformers import AutoModelForCausalLM
 
     AutoModelForCausalLM.from_pretrained(run / "checkpoint")
+
+    # Resume: the run checkpoint after step 2 continues to step 3 with the saved data position.
+    assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == ["step_00000002"]
+    resumed = load_config(None, [*overrides[:-1], "train.num_steps=3", "train.resume=true"])
+    summary = run_rl(resumed)
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert summary["acc_greedy"]["warm_start"] == rows[0]["eval/acc_greedy"]
+    with pytest.raises(ValueError, match="nothing to resume"):
+        run_rl(resumed)

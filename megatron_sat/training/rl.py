@@ -28,6 +28,11 @@ from tqdm import tqdm
 from transformers import AutoTokenizer
 
 from megatron_sat.checkpoint.hf_io import read_hf_config
+from megatron_sat.checkpoint.run_state import (
+    load_run_checkpoint,
+    save_run_checkpoint,
+    should_save,
+)
 from megatron_sat.config import RunConfig
 from megatron_sat.objectives import compute_grpo_advantages
 from megatron_sat.rollout.client import RoutingSpec, SGLangClient
@@ -160,9 +165,19 @@ def run_rl(cfg: RunConfig) -> dict:
         pad_token_id=tokenizer.pad_token_id,
         load_from=cfg.init_checkpoint,
     )
+    state = None
+    if cfg.train.resume:
+        state = load_run_checkpoint(cfg.run_dir, model=trainer.model, optimizer=trainer.optimizer)
+    first_step = 1 if state is None else state.step + 1
+    if first_step > cfg.train.num_steps:
+        raise ValueError(
+            f"run_dir {cfg.run_dir} already holds step {first_step - 1} >= train.num_steps="
+            f"{cfg.train.num_steps}: nothing to resume (raise train.num_steps)"
+        )
     if dist.get_rank() != 0:
-        for _ in range(cfg.train.num_steps):
+        for step in range(first_step, cfg.train.num_steps + 1):
             distributed_rl_step(trainer, None, None, cfg, None)
+            save_if_due(cfg, trainer, step, version=None, initial=None)
         # Writing the checkpoint is a collective (checkpoint.hf_io.save_model_as_hf).
         trainer.save_hf(Path(cfg.run_dir) / "checkpoint", tokenizer_dir=cfg.init_checkpoint)
         return {}
@@ -175,6 +190,8 @@ def run_rl(cfg: RunConfig) -> dict:
     num_layers, top_k, num_experts = trainer.routing_shape
     ro = cfg.rollout
     prompts = prompt_stream(train_records, cfg.train.seed)
+    for _ in range((first_step - 1) * ro.prompts_per_step):  # the data position on resume
+        next(prompts)
     t_start = time.time()
     with rollout_clients(cfg) as clients, RunLogger(run_dir) as logger:
         pool = RolloutPool(
@@ -186,8 +203,8 @@ def run_rl(cfg: RunConfig) -> dict:
         )
         updater = WeightUpdater(clients)
         updater.connect()
-        version = 0
-        # Start from identical weights on both sides, tagged version 0.
+        version = 0 if state is None else state.weight_version
+        # Start from identical weights on both sides, tagged with the trainer's version.
         updater.update(trainer.hf_tensors(), weight_version=str(version))
 
         def run_eval() -> dict[str, float]:
@@ -199,9 +216,18 @@ def run_rl(cfg: RunConfig) -> dict:
                 max_new_tokens=ro.max_new_tokens,
             )
 
-        initial = run_eval()
-        logger.log(0, initial)
-        progress = tqdm(range(1, cfg.train.num_steps + 1), desc="RL", unit="step")
+        if state is None:
+            initial = run_eval()
+            logger.log(0, initial)
+        else:
+            initial = state.extra["initial_eval"]
+        progress = tqdm(
+            range(first_step, cfg.train.num_steps + 1),
+            desc="RL",
+            unit="step",
+            initial=first_step - 1,
+            total=cfg.train.num_steps,
+        )
         for step in progress:
             t0 = time.time()
             records = [next(prompts) for _ in range(ro.prompts_per_step)]
@@ -231,6 +257,7 @@ def run_rl(cfg: RunConfig) -> dict:
             if step % cfg.train.eval_every == 0 or step == cfg.train.num_steps:
                 metrics.update(run_eval())
             logger.log(step, metrics)
+            save_if_due(cfg, trainer, step, version=version, initial=initial)
             progress.set_postfix(
                 reward=f"{metrics['rollout/reward']:.3f}",
                 acc=f"{metrics.get('eval/acc_greedy', float('nan')):.3f}",
@@ -243,6 +270,29 @@ def run_rl(cfg: RunConfig) -> dict:
         logger.write_summary(summary)
     print(json.dumps(summary, indent=2))
     return summary
+
+
+def save_if_due(
+    cfg: RunConfig,
+    trainer: PolicyTrainer,
+    step: int,
+    *,
+    version: int | None,
+    initial: dict | None,
+) -> None:
+    """Run checkpoint after ``step`` every ``train.save_every`` steps and after the last one
+    (collective: every rank calls it; rank 0's version and data position are written)."""
+    if not (should_save(step, cfg.train.save_every) or step == cfg.train.num_steps):
+        return
+    save_run_checkpoint(
+        cfg.run_dir,
+        model=trainer.model,
+        optimizer=trainer.optimizer,
+        step=step,
+        weight_version=version or 0,
+        data_state={"prompts_consumed": step * cfg.rollout.prompts_per_step},
+        extra={"initial_eval": initial or {}},
+    )
 
 
 def make_summary(
