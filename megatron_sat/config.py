@@ -54,8 +54,15 @@ class RolloutConfig:
         group_size: G samples per prompt (GRPO group).
         max_new_tokens: generation limit per sample, tokens.
         temperature, top_p, top_k: sampling (SGLang's semantics; top_k=-1 is off).
-        update_weights_interval: the lag n: weights are pushed to the servers every n
-            trainer steps, so samples are up to n versions old.
+        update_weights_interval: synchronous mode: weights are pushed to the servers every n
+            trainer steps, so samples are up to n - 1 versions old.
+        mode: ``sync`` (generate, then train, one batch at a time), or asynchronous with the
+            servers generating while the trainer steps (``megatron_sat.rollout.async_pool``):
+            ``fixed_lag`` (every sample exactly ``lag`` versions old after warm-up, the SAT
+            paper's configured lag) or ``bounded`` (at most ``lag`` versions old).
+        lag: the lag n / staleness bound eta of the asynchronous modes, versions.
+        on_update: asynchronous modes: requests cut by a weight push are ``resume``d from their
+            partial output or ``restart``ed.
         eval_temperature: temperature of the sampled held-out evaluation.
         eval_samples_per_prompt: samples per held-out prompt for avg@k.
     """
@@ -69,6 +76,9 @@ class RolloutConfig:
     top_p: float = 1.0
     top_k: int = -1
     update_weights_interval: int = 1
+    mode: str = "sync"
+    lag: int = 1
+    on_update: str = "resume"
     eval_temperature: float = 1.0
     eval_samples_per_prompt: int = 4
 
@@ -88,6 +98,15 @@ class RolloutConfig:
             raise ValueError("rollout.temperature must be > 0 for RL (log-probs of a sampler)")
         if not self.server_urls:
             _positive("rollout", self, "num_embedded_servers")
+        if self.mode not in ("sync", "fixed_lag", "bounded"):
+            raise ValueError(f"rollout.mode must be sync, fixed_lag or bounded, got {self.mode!r}")
+        if self.mode != "sync" and self.update_weights_interval != 1:
+            raise ValueError(
+                "rollout.update_weights_interval applies to mode=sync; asynchronous modes push "
+                "weights every step and set staleness with rollout.lag"
+            )
+        if self.lag < 0:
+            raise ValueError(f"rollout.lag must be >= 0, got {self.lag}")
 
 
 @dataclass

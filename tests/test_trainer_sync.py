@@ -143,3 +143,37 @@ def test_main_loop_end_to_end(tmp_path, tiny_checkpoint, megatron_world):
     assert summary["acc_greedy"]["warm_start"] == rows[0]["eval/acc_greedy"]
     with pytest.raises(ValueError, match="nothing to resume"):
         run_rl(resumed)
+
+
+def test_main_loop_with_fixed_lag(tmp_path, tiny_checkpoint, megatron_world):
+    """The asynchronous pool inside the RL loop: after warm-up every sample is `lag` old."""
+    from megatron_sat.training.rl import run_rl
+
+    train, test = make_arith_splits(64, 4, seed=1, max_digits=1)
+    for name, rows in (("train", train), ("test", test)):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run_rl(
+        load_config(
+            None,
+            [
+                f"init_checkpoint={tiny_checkpoint}",
+                f"run_dir={tmp_path / 'run'}",
+                f"data.train_path={tmp_path / 'train.jsonl'}",
+                f"data.eval_path={tmp_path / 'test.jsonl'}",
+                "rollout.prompts_per_step=2",
+                "rollout.group_size=2",
+                "rollout.max_new_tokens=3",
+                "rollout.eval_samples_per_prompt=1",
+                "rollout.mode=fixed_lag",
+                "rollout.lag=2",
+                "train.num_steps=4",
+                "train.eval_every=4",
+            ],
+        )
+    )
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    ages = [(r["rollout/staleness_mean"], r["rollout/staleness_max"]) for r in rows[1:]]
+    assert ages == [(0.0, 0.0), (1.0, 1.0), (2.0, 2.0), (2.0, 2.0)]
+    assert rows[-1]["rollout/staleness_frac_age2"] == 1.0
+    with pytest.raises(ValueError, match="update_weights_interval applies to mode=sync"):
+        load_config(None, ["rollout.mode=bounded", "rollout.update_weights_interval=2"])

@@ -35,7 +35,8 @@ from megatron_sat.checkpoint.run_state import (
 )
 from megatron_sat.config import RunConfig
 from megatron_sat.objectives import compute_grpo_advantages
-from megatron_sat.rollout.client import RoutingSpec, SGLangClient
+from megatron_sat.rollout.async_pool import AsyncPoolConfig, AsyncRolloutPool
+from megatron_sat.rollout.client import RoutingSpec, SamplingParams, SGLangClient
 from megatron_sat.rollout.datasets import PromptRecord, load_prompt_dataset
 from megatron_sat.rollout.embedded.launch import EmbeddedServer
 from megatron_sat.rollout.pool import RolloutPool
@@ -96,6 +97,8 @@ def batch_metrics(samples: list[Sample], trainer_version: int) -> dict[str, floa
     if ages:
         out["rollout/staleness_mean"] = sum(ages) / len(ages)
         out["rollout/staleness_max"] = float(max(ages))
+        for age in sorted(set(ages)):  # the staleness histogram of the step
+            out[f"rollout/staleness_frac_age{age}"] = ages.count(age) / len(ages)
     return out
 
 
@@ -206,6 +209,30 @@ def run_rl(cfg: RunConfig) -> dict:
         version = 0 if state is None else state.weight_version
         # Start from identical weights on both sides, tagged with the trainer's version.
         updater.update(trainer.hf_tensors(), weight_version=str(version))
+        base_version = version  # the async pool counts batches from here
+        async_pool = None
+        if ro.mode != "sync":
+            async_pool = AsyncRolloutPool(
+                clients,
+                tokenizer,
+                math_reward,
+                prompts,
+                AsyncPoolConfig(
+                    mode=ro.mode,
+                    lag=ro.lag,
+                    prompts_per_batch=ro.prompts_per_step,
+                    group_size=ro.group_size,
+                    on_update=ro.on_update,
+                ),
+                SamplingParams(
+                    temperature=ro.temperature,
+                    top_p=ro.top_p,
+                    top_k=ro.top_k,
+                    max_new_tokens=ro.max_new_tokens,
+                    stop_token_ids=(tokenizer.eos_token_id,),
+                ),
+                routing=RoutingSpec(num_layers, top_k, num_experts),
+            )
 
         def run_eval() -> dict[str, float]:
             return evaluate(
@@ -228,17 +255,22 @@ def run_rl(cfg: RunConfig) -> dict:
             initial=first_step - 1,
             total=cfg.train.num_steps,
         )
+        if async_pool is not None:
+            async_pool.start()
         for step in progress:
             t0 = time.time()
-            records = [next(prompts) for _ in range(ro.prompts_per_step)]
-            samples = pool.generate_groups(
-                records,
-                ro.group_size,
-                temperature=ro.temperature,
-                top_p=ro.top_p,
-                top_k=ro.top_k,
-                max_new_tokens=ro.max_new_tokens,
-            )
+            if async_pool is not None:
+                samples = async_pool.get_batch(step - first_step)
+            else:
+                records = [next(prompts) for _ in range(ro.prompts_per_step)]
+                samples = pool.generate_groups(
+                    records,
+                    ro.group_size,
+                    temperature=ro.temperature,
+                    top_p=ro.top_p,
+                    top_k=ro.top_k,
+                    max_new_tokens=ro.max_new_tokens,
+                )
             t_gen = time.time() - t0
             rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
             advantages = compute_grpo_advantages(rewards, ro.group_size)
@@ -247,7 +279,19 @@ def run_rl(cfg: RunConfig) -> dict:
             metrics.update({f"train/{k}": v for k, v in train.items()})
             version += 1
             t_sync = 0.0
-            if version % ro.update_weights_interval == 0:
+            if async_pool is not None:
+                async_pool.wait_before_update(version - base_version)
+                t1 = time.time()
+                updater.update(trainer.hf_tensors(), weight_version=str(version))
+                t_sync = time.time() - t1
+                async_pool.set_version(version - base_version)
+                metrics.update(
+                    {
+                        "rollout/reissued": float(async_pool.stats.reissued),
+                        "rollout/dead_servers": float(len(async_pool.stats.dead_servers)),
+                    }
+                )
+            elif version % ro.update_weights_interval == 0:
                 t1 = time.time()
                 updater.update(trainer.hf_tensors(), weight_version=str(version))
                 t_sync = time.time() - t1
@@ -263,6 +307,8 @@ def run_rl(cfg: RunConfig) -> dict:
                 acc=f"{metrics.get('eval/acc_greedy', float('nan')):.3f}",
             )
         final = {k: v for k, v in metrics.items() if k.startswith("eval/")}
+        if async_pool is not None:
+            async_pool.stop()
         updater.close()
         pool.close()
         checkpoint = trainer.save_hf(run_dir / "checkpoint", tokenizer_dir=cfg.init_checkpoint)
