@@ -283,6 +283,15 @@ WRONG = [
     (["launch.model_config=examples/models/missing.json"], "launch.model_config"),
     (["launch.sglang_args=[--tp-size, '2']"], "launch.sglang_args must be free of the flags"),
     (["launch.num_nodes=2", "launch.launcher=mpirun", "launch.hosts=[a]"], "launch.hosts"),
+    (
+        [
+            "launch.num_nodes=2",
+            "launch.launcher=mpirun",
+            "launch.hosts=[a,b]",
+            "launch.master_port=0",
+        ],
+        "launch.master_port must be a fixed port for mpirun on several nodes",
+    ),
 ]
 
 
@@ -316,7 +325,8 @@ def test_rendered_scripts_are_valid_bash_with_the_plan(launcher, tmp_path):
     assert "pkill" not in text and "killall" not in text
     if launcher == "torchrun":
         assert "CUDA_VISIBLE_DEVICES=4,5,6,7 " in text and "CUDA_VISIBLE_DEVICES=0,1,2,3 " in text
-        assert "--nproc-per-node=4 --master-addr=127.0.0.1 --master-port=29500" in text
+        assert "MASTER_PORT=29500\n" in text
+        assert '--nproc-per-node=4 --master-addr=127.0.0.1 --master-port="$MASTER_PORT"' in text
     if launcher == "slurm":
         assert "#SBATCH --nodes=1" in text and "#SBATCH --gres=gpu:8" in text
         assert (
@@ -327,7 +337,8 @@ def test_rendered_scripts_are_valid_bash_with_the_plan(launcher, tmp_path):
         assert '--node-rank="$SLURM_PROCID" --nproc-per-node=4' in text
         assert '--output="$LOG_DIR/trainer_%N.log"' in text
     if launcher == "mpirun":
-        assert "-np 4 --host" in text and "-x MASTER_PORT=29500" in text
+        assert "-np 4 --host" in text and '-x MASTER_PORT="$MASTER_PORT"' in text
+        assert "MASTER_PORT=29500\n" in text
     # The resolved config loads back to the same config.
     assert load_config(prepared.config_path).to_dict() == cfg.to_dict()
 

@@ -52,7 +52,7 @@ def job_overrides(tiny_checkpoint, tmp_path_factory):
             f"data.eval_path={data / 'test.jsonl'}",
             f"launch.trainer_gpus_per_node={TRAINER_RANKS}",
             f"launch.gpus_per_node={TRAINER_RANKS + 1}",
-            f"launch.master_port={_free_port()}",
+            "launch.master_port=0",  # found free by the script itself, just before use
             f"launch.rollout_base_port={_free_port()}",
         ]
 

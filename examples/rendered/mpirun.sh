@@ -33,6 +33,7 @@ mkdir -p "$LOG_DIR"
 SERVER_STARTUP_TIMEOUT_S=1800
 export PYTHONUNBUFFERED=1
 export OMP_NUM_THREADS=8
+FREE_PORT_PY='import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])'
 HEALTH_PY='import sys, urllib.request; urllib.request.urlopen(sys.argv[1] + "/health", timeout=5)'
 wait_healthy() {  # URL PID LOG: poll URL/health until it answers, the server dies or time is up
   local deadline=$((SECONDS + SERVER_STARTUP_TIMEOUT_S))
@@ -70,8 +71,9 @@ URLS+=("\"http://node0:30000\"")
 wait_healthy "http://node0:30000" "${SERVER_PIDS[0]}" "$LOG_DIR/server_0.log"
 SERVER_URLS="[$(IFS=,; echo "${URLS[*]}")]"
 echo "rollout servers: $SERVER_URLS" >&2
+MASTER_PORT=29500
 set +e
-mpirun "${MPI_FLAGS[@]}" -np 4 --host node0:4 --map-by ppr:4:node -x PYTHONUNBUFFERED -x OMP_NUM_THREADS -x CUDA_VISIBLE_DEVICES=0,1,2,3 -x MASTER_ADDR=node0 -x MASTER_PORT=29500 --output-filename "$LOG_DIR/trainer" "$PY" -m megatron_sat.cli train --config runs/qwen3_30b_a3b_sat_gspo_r3/launch/config.yaml ${SERVER_URLS:+"rollout.server_urls=$SERVER_URLS"}
+mpirun "${MPI_FLAGS[@]}" -np 4 --host node0:4 --map-by ppr:4:node -x PYTHONUNBUFFERED -x OMP_NUM_THREADS -x CUDA_VISIBLE_DEVICES=0,1,2,3 -x MASTER_ADDR=node0 -x MASTER_PORT="$MASTER_PORT" --output-filename "$LOG_DIR/trainer" "$PY" -m megatron_sat.cli train --config runs/qwen3_30b_a3b_sat_gspo_r3/launch/config.yaml ${SERVER_URLS:+"rollout.server_urls=$SERVER_URLS"}
 status=$?
 set -e
 echo "trainer exited with status $status" >&2

@@ -46,7 +46,9 @@ class LaunchConfig:
             ``["--mem-fraction-static", "0.8"]``. ``--enable-return-routed-experts``,
             ``--weight-version 0``, ``--tp-size``, ``--host``, ``--port`` and ``--model-path``
             are always passed and must not be repeated here.
-        master_port: torch.distributed rendezvous TCP port on the first trainer node.
+        master_port: torch.distributed rendezvous TCP port on the first trainer node; 0 = a
+            port the script finds free there just before it starts the trainer (torchrun,
+            slurm, and mpirun on one node, where the script runs on that node).
         rollout_base_port: the k-th server of a node listens on ``rollout_base_port + k``.
         hosts: node host names for torchrun and mpirun, in node order; empty = this machine's
             host name (one node only). slurm reads them from ``SLURM_JOB_NODELIST``.
@@ -108,9 +110,18 @@ class LaunchConfig:
             check(_is_int(getattr(self, name)) and getattr(self, name) >= 1, name, "an int >= 1")
         tg = self.trainer_gpus_per_node
         check(tg is None or (_is_int(tg) and tg >= 1), "trainer_gpus_per_node", "None or >= 1")
-        for name in ("master_port", "rollout_base_port"):
-            port = getattr(self, name)
-            check(_is_int(port) and 1024 <= port <= 65535, name, "a port in [1024, 65535]")
+        port = self.master_port
+        ok = _is_int(port) and (port == 0 or 1024 <= port <= 65535)
+        check(ok, "master_port", "0 (free at start) or a port in [1024, 65535]")
+        check(
+            port != 0 or self.launcher != "mpirun" or self.num_nodes == 1,
+            "master_port",
+            "a fixed port for mpirun on several nodes (the script runs on another machine)",
+        )
+        port = self.rollout_base_port
+        check(
+            _is_int(port) and 1024 <= port <= 65535, "rollout_base_port", "a port in [1024, 65535]"
+        )
         check(self.gpu_memory_gib > 0, "gpu_memory_gib", "> 0")
         check(self.server_startup_timeout_s > 0, "server_startup_timeout_s", "> 0")
         cpus = self.cpus_per_node

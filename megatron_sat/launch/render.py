@@ -23,6 +23,7 @@ from pathlib import Path
 from megatron_sat.launch.plan import LaunchPlan, RolloutServer, format_plan
 
 _HEALTH_FUNCTION = """\
+FREE_PORT_PY='import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])'
 HEALTH_PY='import sys, urllib.request; urllib.request.urlopen(sys.argv[1] + "/health", timeout=5)'
 wait_healthy() {  # URL PID LOG: poll URL/health until it answers, the server dies or time is up
   local deadline=$((SECONDS + SERVER_STARTUP_TIMEOUT_S))
@@ -141,6 +142,13 @@ def _urls_line(plan: LaunchPlan) -> list[str]:
     return ['SERVER_URLS=""']
 
 
+def _master_port(plan: LaunchPlan) -> list[str]:
+    """Set MASTER_PORT: the configured port, or one found free on this node just now."""
+    if plan.launch.master_port:
+        return [f"MASTER_PORT={plan.launch.master_port}"]
+    return ['MASTER_PORT="$("$PY" -c "$FREE_PORT_PY")"', 'echo "master port $MASTER_PORT" >&2']
+
+
 def _url_override() -> str:
     return '${SERVER_URLS:+"rollout.server_urls=$SERVER_URLS"}'
 
@@ -172,11 +180,12 @@ def render_torchrun(plan: LaunchPlan, ctx: RenderContext) -> str:
     lines += _urls_line(plan)
     devices = _devices(range(la.trainer_ranks_per_node))
     env = f"CUDA_VISIBLE_DEVICES={devices} " if la.device == "cuda" else ""
+    lines += _master_port(plan)
     lines += [
         "set +e",
         f'{env}"$PY" -m torch.distributed.run --nnodes=1 --node-rank=0 '
         f"--nproc-per-node={la.trainer_ranks_per_node} --master-addr=127.0.0.1 "
-        f"--master-port={la.master_port} {_trainer_args(ctx)} {_url_override()} "
+        f'--master-port="$MASTER_PORT" {_trainer_args(ctx)} {_url_override()} '
         '2>&1 | tee "$LOG_DIR/trainer_node0.log"',
         "status=${PIPESTATUS[0]}",
         "set -e",
@@ -240,15 +249,16 @@ def render_sbatch(plan: LaunchPlan, ctx: RenderContext) -> str:
         (f"export CUDA_VISIBLE_DEVICES={visible}; " if la.device == "cuda" else "")
         + f'exec "$0" -m torch.distributed.run --nnodes={la.trainer_nodes} '
         f'--node-rank="$SLURM_PROCID" --nproc-per-node={la.trainer_ranks_per_node} '
-        f'--master-addr="$1" --master-port={la.master_port} {_trainer_args(ctx)} '
-        '${2:+"rollout.server_urls=$2"}'
+        f'--master-addr="$1" --master-port="$2" {_trainer_args(ctx)} '
+        '${3:+"rollout.server_urls=$3"}'
     )
+    lines += _master_port(plan)
     lines += [
         "set +e",
         f"srun --overlap --nodes={la.trainer_nodes} --ntasks-per-node=1 "
         f'--nodelist="$TRAINER_NODELIST" '
         f'--output="$LOG_DIR/trainer_%N.log" bash -c {_q(inner)} "$PY" "$MASTER_ADDR" '
-        '"$SERVER_URLS"',
+        '"$MASTER_PORT" "$SERVER_URLS"',
         "status=$?",
         "set -e",
         'echo "trainer exited with status $status" >&2',
@@ -292,11 +302,12 @@ def render_mpirun(plan: LaunchPlan, ctx: RenderContext) -> str:
     per_node = la.trainer_ranks_per_node
     host_list = ",".join(f"{h}:{per_node}" for h in hosts[: la.trainer_nodes])
     cuda = f" -x CUDA_VISIBLE_DEVICES={_devices(range(per_node))}" if la.device == "cuda" else ""
+    lines += _master_port(plan)
     lines += [
         "set +e",
         f'mpirun "${{MPI_FLAGS[@]}}" -np {plan.world_size} --host {host_list} '
         f"--map-by ppr:{per_node}:node {exports}{cuda} -x MASTER_ADDR={_q(hosts[0])} "
-        f"-x MASTER_PORT={la.master_port} "
+        '-x MASTER_PORT="$MASTER_PORT" '
         f'--output-filename "$LOG_DIR/trainer" "$PY" {_trainer_args(ctx)} {_url_override()}',
         "status=$?",
         "set -e",
