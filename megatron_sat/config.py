@@ -8,6 +8,7 @@ command-line overrides use dotted paths (``rollout.group_size=8``).
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -221,7 +222,7 @@ def _coerce(value: Any, type_name: str, where: str) -> Any:
     if value is None or base not in ("float", "int", "bool"):
         return value
     try:
-        if base == "float" and not isinstance(value, bool):
+        if base == "float" and not isinstance(value, bool) and math.isfinite(float(value)):
             return float(value)
         if base == "int" and not isinstance(value, bool) and float(value) == int(float(value)):
             return int(float(value))
@@ -229,7 +230,8 @@ def _coerce(value: Any, type_name: str, where: str) -> Any:
             return value
     except (TypeError, ValueError):
         pass
-    raise ValueError(f"config field {where} must be {base}, got {value!r}")
+    kind = "a finite float" if base == "float" else base
+    raise ValueError(f"config field {where} must be {kind}, got {value!r}")
 
 
 def _set_path(tree: dict[str, Any], dotted: str, value: Any) -> None:

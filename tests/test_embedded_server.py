@@ -7,6 +7,7 @@ on-disk tensors of a second checkpoint for the weight push.
 
 from __future__ import annotations
 
+import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -284,3 +285,20 @@ def test_sync_failing_on_second_bucket_keeps_version(client, spy_updater):
         atol=1e-6,
         rtol=0,
     )
+
+
+def test_generate_rejects_non_integer_ids_nan_temperature_and_context_overflow(client):
+    with pytest.raises(ValueError, match="temperature must be finite"):
+        SamplingParams(temperature=float("nan"))
+    with pytest.raises(ValueError, match="max_new_tokens must be an integer"):
+        SamplingParams(max_new_tokens=2.5)
+    for body, culprit in [
+        ({"input_ids": [1.7, 2]}, "input_ids must be a list of integers"),
+        ({"input_ids": [True, 2]}, "input_ids must be a list of integers"),
+        ({"input_ids": [1, 2], "sampling_params": {"temperature": float("nan")}}, "temperature"),
+        ({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 10**6}}, "context length"),
+    ]:
+        reply = client._http.post("/generate", content=json.dumps(body))
+        assert reply.status_code == 400 and culprit in reply.text, (body, reply.text)
+    (out,) = client.generate([1, 2], SamplingParams(max_new_tokens=2))  # still serving
+    assert len(out.output_ids) == 2

@@ -61,5 +61,7 @@ def test_config_yaml_overrides_and_errors(tmp_path):
         load_config(None, ["train.num_steps=ten"])
     with pytest.raises(ValueError, match="name"):
         load_config(None, ["objective.name=ppo2"])
+    with pytest.raises(ValueError, match="train.lr must be a finite float, got 'nan'"):
+        load_config(None, ["train.lr=nan"])
     with pytest.raises(ValueError, match="not of the form"):
         load_config(None, ["train.lr"])

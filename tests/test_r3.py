@@ -636,3 +636,18 @@ def test_recompute_reuses_its_own_micro_batchs_routes(megatron_world):
         with controller.replay(routes, training=False), controller.micro_batch(0):
             log_probs = forward_log_probs(model, mbs[0])
             log_probs.sum().backward()
+
+
+def test_routes_must_be_distinct_integer_ids_and_advantages_finite(tiny_checkpoint, trainer):
+    sample = rollout_samples(tiny_checkpoint, [(3, 2)])[0]
+    good = sample.routed_experts
+    sample.routed_experts = good.astype(np.float32) + 0.7
+    with pytest.raises(ValueError, match="sample 0: routed_experts must be an integer numpy"):
+        build_micro_batch([sample], [0.0], pad_token_id=0, routing_shape=trainer.routing_shape)
+    sample.routed_experts = good.copy()
+    sample.routed_experts[1, 0] = [3, 3]
+    with pytest.raises(ValueError, match=r"row 1, layer 0 names one expert twice: \[3, 3\]"):
+        build_micro_batch([sample], [0.0], pad_token_id=0, routing_shape=trainer.routing_shape)
+    sample.routed_experts = good
+    with pytest.raises(ValueError, match="sample 0: advantage nan is not finite"):
+        build_micro_batch([sample], [float("nan")], pad_token_id=0)

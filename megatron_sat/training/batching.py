@@ -140,6 +140,11 @@ def check_sample_routes(sample: Sample, num_layers: int, top_k: int, num_experts
     expected = (sample.num_tokens - 1, num_layers, top_k)
     if routed is None:
         raise ValueError(f"sample {sample.index} has no routed_experts but R3 replay is on")
+    if not isinstance(routed, np.ndarray) or not np.issubdtype(routed.dtype, np.integer):
+        kind = routed.dtype if isinstance(routed, np.ndarray) else type(routed).__name__
+        raise ValueError(
+            f"sample {sample.index}: routed_experts must be an integer numpy array, got {kind}"
+        )
     if tuple(routed.shape) != expected:
         raise ValueError(
             f"sample {sample.index}: routed_experts has shape {tuple(routed.shape)}, expected "
@@ -153,6 +158,14 @@ def check_sample_routes(sample: Sample, num_layers: int, top_k: int, num_experts
         )
     if routed.size and (routed.min() < 0 or routed.max() >= num_experts):
         raise ValueError(f"sample {sample.index}: routed_experts ids outside [0, {num_experts})")
+    if top_k > 1 and routed.size:
+        ordered = np.sort(routed, axis=-1)
+        if (ordered[..., 1:] == ordered[..., :-1]).any():
+            token, layer = np.argwhere((ordered[..., 1:] == ordered[..., :-1]).any(-1))[0]
+            raise ValueError(
+                f"sample {sample.index}: routed_experts row {token}, layer {layer} names one "
+                f"expert twice: {routed[token, layer].tolist()}"
+            )
 
 
 @dataclass
@@ -281,6 +294,11 @@ def build_micro_batch(
     advantages = torch.as_tensor(advantages, dtype=torch.float32)
     if advantages.shape != (len(samples),):
         raise ValueError(f"advantages shape {tuple(advantages.shape)} != ({len(samples)},)")
+    if not torch.isfinite(advantages).all():
+        bad = int((~torch.isfinite(advantages)).nonzero()[0])
+        raise ValueError(
+            f"sample {samples[bad].index}: advantage {advantages[bad].item()} is not finite"
+        )
     seq = max(s.num_tokens for s in samples)
     seq = -(-seq // pad_to_multiple_of) * pad_to_multiple_of
     b = len(samples)

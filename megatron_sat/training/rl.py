@@ -159,6 +159,11 @@ def distributed_rl_step(
 def run_rl(cfg: RunConfig) -> dict:
     """Run the whole RL job of ``cfg``; returns (and writes) the run summary on rank 0, and an
     empty dict on the other data-parallel ranks (see the module docstring)."""
+    if not (Path(cfg.init_checkpoint) / "config.json").is_file():
+        raise FileNotFoundError(
+            f"init_checkpoint={cfg.init_checkpoint!r} is not an HF checkpoint directory "
+            "(no config.json); run the warm start or point it at one"
+        )
     tokenizer = AutoTokenizer.from_pretrained(cfg.init_checkpoint)
     hf_config = read_hf_config(cfg.init_checkpoint)
     trainer = PolicyTrainer(

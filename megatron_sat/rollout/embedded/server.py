@@ -241,15 +241,27 @@ class ServerState:
         raw_list = raw if isinstance(raw, list) else [raw] * len(prompts)
         if len(raw_list) != len(prompts):
             raise ValueError(f"{len(raw_list)} sampling_params for {len(prompts)} prompts")
+        for i, prompt in enumerate(prompts):
+            if not isinstance(prompt, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in prompt
+            ):
+                raise ValueError(f"prompt {i}: input_ids must be a list of integers")
         requests = [
-            EngineRequest([int(t) for t in p], SamplingParams.from_json(s))
+            EngineRequest(list(p), SamplingParams.from_json(s))
             for p, s in zip(prompts, raw_list, strict=True)
         ]
         vocab = self.engine.model.config.vocab_size
+        context = getattr(self.engine.model.config, "max_position_embeddings", None)
         for i, req in enumerate(requests):
             # Checked here, not in the engine, so a bad prompt cannot fail a shared batch.
             if not req.input_ids or min(req.input_ids) < 0 or max(req.input_ids) >= vocab:
                 raise ValueError(f"prompt {i}: empty or token id outside [0, {vocab})")
+            total = len(req.input_ids) + req.sampling.max_new_tokens
+            if context is not None and total > context:
+                raise ValueError(
+                    f"prompt {i}: {len(req.input_ids)} prompt tokens + max_new_tokens "
+                    f"{req.sampling.max_new_tokens} exceed the context length {context}"
+                )
         if body.get("return_routed_experts") and not self.config.enable_return_routed_experts:
             raise ValueError("return_routed_experts needs --enable-return-routed-experts")
         start = body.get("routed_experts_start_len") or 0
