@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import random
 import time
 from collections.abc import Iterator
@@ -34,6 +35,7 @@ from megatron_sat.checkpoint.run_state import (
     should_save,
 )
 from megatron_sat.config import RunConfig
+from megatron_sat.launch.sync import weight_sync_options
 from megatron_sat.objectives import compute_grpo_advantages
 from megatron_sat.rollout.async_pool import AsyncPoolConfig, AsyncRolloutPool
 from megatron_sat.rollout.client import RoutingSpec, SamplingParams, SGLangClient
@@ -209,7 +211,7 @@ def run_rl(cfg: RunConfig) -> dict:
             routing=RoutingSpec(num_layers, top_k, num_experts),
             stop_token_ids=[tokenizer.eos_token_id],
         )
-        updater = WeightUpdater(clients)
+        updater = WeightUpdater(clients, **sync_options(cfg, len(clients)))
         updater.connect()
         version = 0 if state is None else state.weight_version
         # Start from identical weights on both sides, tagged with the trainer's version.
@@ -321,6 +323,15 @@ def run_rl(cfg: RunConfig) -> dict:
         logger.write_summary(summary)
     print(json.dumps(summary, indent=2))
     return summary
+
+
+def sync_options(cfg: RunConfig, num_servers: int) -> dict:
+    """WeightUpdater options: SGLang servers given by URL join with their TP ranks over the
+    launch's backend (NCCL on GPUs); embedded CPU servers are one gloo rank each."""
+    options = weight_sync_options(cfg.launch, num_servers, os.environ)
+    if not cfg.rollout.server_urls:
+        options.update(backend="gloo", ranks_per_server=[1] * num_servers)
+    return options
 
 
 def save_if_due(
