@@ -13,7 +13,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 SUPPORTED_ARCHITECTURES = ("Qwen3MoeForCausalLM",)
 
@@ -113,14 +112,23 @@ def transformer_config_from_hf(
         raise ValueError("config.json has no MoE layer (mlp_only_layers / decoder_sparse_step)")
     if not all(pattern) and not hf_config.get("intermediate_size"):
         raise ValueError("config.json has dense layers but no intermediate_size for them")
+    from megatron_sat.models.registry import common_transformer_kwargs, moe_layer_freq
+
+    kwargs = common_transformer_kwargs(
+        hf_config,
+        tensor_model_parallel_size=tensor_model_parallel_size,
+        expert_model_parallel_size=expert_model_parallel_size,
+        pipeline_model_parallel_size=pipeline_model_parallel_size,
+        params_dtype=params_dtype,
+        moe_token_dispatcher_type=moe_token_dispatcher_type,
+        moe_enable_routing_replay=moe_enable_routing_replay,
+        recompute_granularity=recompute_granularity,
+        expert_tensor_parallel_size=expert_tensor_parallel_size,
+    )
     num_heads = int(hf_config["num_attention_heads"])
-    hidden = int(hf_config["hidden_size"])
-    kwargs: dict[str, Any] = dict(
-        num_layers=int(hf_config["num_hidden_layers"]),
-        hidden_size=hidden,
-        num_attention_heads=num_heads,
+    kwargs.update(
         num_query_groups=int(hf_config.get("num_key_value_heads", num_heads)),
-        kv_channels=int(hf_config.get("head_dim") or hidden // num_heads),
+        kv_channels=int(hf_config.get("head_dim") or int(hf_config["hidden_size"]) // num_heads),
         ffn_hidden_size=int(
             hf_config.get("intermediate_size") or hf_config["moe_intermediate_size"]
         ),
@@ -129,47 +137,10 @@ def transformer_config_from_hf(
         moe_ffn_hidden_size=int(hf_config["moe_intermediate_size"]),
         moe_router_pre_softmax=not bool(hf_config.get("norm_topk_prob", True)),
         moe_router_score_function="softmax",
-        moe_router_load_balancing_type="none",
-        moe_aux_loss_coeff=0.0,
-        moe_token_dispatcher_type=moe_token_dispatcher_type,
-        moe_enable_routing_replay=moe_enable_routing_replay,
-        moe_grouped_gemm=False,
-        normalization="RMSNorm",
-        layernorm_epsilon=float(hf_config.get("rms_norm_eps", 1e-6)),
         qk_layernorm=True,
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
         add_qkv_bias=bool(hf_config.get("attention_bias", False)),
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        params_dtype=params_dtype,
-        bf16=params_dtype == torch.bfloat16,
-        tensor_model_parallel_size=tensor_model_parallel_size,
-        expert_model_parallel_size=expert_model_parallel_size,
-        pipeline_model_parallel_size=pipeline_model_parallel_size,
-        sequence_parallel=tensor_model_parallel_size > 1,
-        # CPU initialisation makes TP runs bit-identical to TP=1; fusions need CUDA kernels.
-        use_cpu_initialization=True,
-        bias_activation_fusion=False,
-        masked_softmax_fusion=False,
-        persist_layer_norm=False,
-        bias_dropout_fusion=False,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
-        moe_router_fusion=False,
-        moe_layer_freq=1 if all(pattern) else list(pattern),
+        moe_layer_freq=moe_layer_freq(pattern),
     )
-    if pipeline_model_parallel_size > 1:
-        kwargs["pipeline_dtype"] = params_dtype
-    if expert_tensor_parallel_size is not None:
-        kwargs["expert_tensor_parallel_size"] = expert_tensor_parallel_size
-    if recompute_granularity is not None:
-        kwargs.update(
-            recompute_granularity=recompute_granularity,
-            recompute_method="uniform",
-            recompute_num_layers=1,
-        )
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
 
