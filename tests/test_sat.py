@@ -255,9 +255,9 @@ def test_proposition_4_1(seed, sat_name, alpha):
     _, grad_sat, m = run(
         sat_name, lp.clone().requires_grad_(True), adv, mask, rollout=mu, sat_alpha=alpha, **eps
     )
-    _, grad_ppo, _ = run(
-        SAT_BASE[sat_name], lp.clone().requires_grad_(True), adv, mask, rollout=mu, **eps
-    )
+    # SAT-GSPO with one advantage per response clips GSPO's sequence-form ratio
+    base = "gspo" if sat_name == "sat-gspo" else SAT_BASE[sat_name]
+    _, grad_ppo, _ = run(base, lp.clone().requires_grad_(True), adv, mask, rollout=mu, **eps)
     upper_band = (a > 0) & (1 + radii.eps_high <= r) & (r <= 1.28)
     lower_band = (a < 0) & (1 - 0.2 <= r) & (r <= 1 - radii.eps_low)
     band = mask & (upper_band | lower_band)
@@ -320,6 +320,23 @@ def test_sat_disabled_is_bit_identical_to_base(sat_name, how):
                 "gspo", lp_d.clone().requires_grad_(True), adv_d, mask, rollout=mu_d
             )
             assert torch.equal(loss_sat, loss_seq)
+
+
+@pytest.mark.parametrize("dtype", [F64, torch.float32])
+def test_sat_gspo_disabled_with_per_sequence_advantages_is_gspo_bitwise(dtype):
+    # One advantage per response: SAT-GSPO clips GSPO's sequence-form ratio, so with no gated
+    # response (q = inf) loss and gradient are GSPO's bit for bit, and with a gate they differ.
+    lp, mu, adv, mask = random_batch(seed=5, b=48, scale=0.18)  # q ~ 0.1 (test above)
+    lp, mu, adv = lp.to(dtype), mu.to(dtype), adv[:, 0].to(dtype)
+    out = {}
+    cases = [("gspo", {}), ("sat-gspo", {"sat_quantile": math.inf}), ("sat", {"sat_alpha": 0.5})]
+    for name, kwargs in cases:
+        objective = "gspo" if name == "gspo" else "sat-gspo"
+        out[name] = run(objective, lp.clone().requires_grad_(True), adv, mask, rollout=mu, **kwargs)
+    assert torch.equal(out["sat-gspo"][0], out["gspo"][0])
+    assert torch.equal(out["sat-gspo"][1], out["gspo"][1])
+    assert out["sat"][2]["sat_gate_rate"].item() > 0
+    assert not torch.equal(out["sat"][1], out["gspo"][1])
 
 
 @pytest.mark.parametrize("sat_name", sorted(SAT_BASE))

@@ -161,12 +161,14 @@ class LossInputs:
             recomputed old log-probs when `ObjectiveConfig.ratio_denominator` says so.
         advantages: [B, T] per-token advantages (per-sequence ones broadcast).
         mask: [B, T] bool, active response tokens.
+        per_sequence_advantages: the caller gave one advantage per response ([B]).
     """
 
     log_probs: Tensor
     rollout_log_probs: Tensor
     advantages: Tensor
     mask: Tensor
+    per_sequence_advantages: bool = False
 
     @property
     def log_ratio(self) -> Tensor:
@@ -356,17 +358,26 @@ def sat_grpo_objective(
 def sat_gspo_objective(
     inp: LossInputs, config: ObjectiveConfig, sat_quantile: Tensor | float | None
 ) -> ObjectiveTerms:
-    """SAT-GSPO: GSPO-token ratio, radii from the sequence proxy (SAT Eqs. 13-20).
+    """SAT-GSPO: the clip on the sequence ratio rho_b, radii from its log (SAT Eqs. 13-20).
 
-    The radii are constant within a response, so value and gradient equal those of the
-    sequence-level form for per-sequence advantages (as for GSPO-token). They are computed per
-    response ([B, 1]); the quantile weights each response by its active tokens, which equals
-    Eq. 14 over the broadcast proxy of Eq. 20 exactly (`sat_reference_quantile`).
+    With one advantage per response ([B] advantages) the ratio is GSPO's sequence form (GSPO
+    Eqs. 5-7, gradient through the mean), so the loss is GSPO's plus O(B) work for the radii.
+    With per-token advantages it is the GSPO-token ratio (Eqs. 13-14), which gives each token
+    its own advantage; both forms have the same value, and the same gradient for per-sequence
+    advantages. The radii are per response ([B, 1]); the quantile weights each response by its
+    active tokens, which equals Eq. 14 over the broadcast proxy of Eq. 20 exactly
+    (`sat_reference_quantile`).
     """
     num_tokens = inp.mask.sum(dim=-1, keepdim=True)  # [B, 1], counted once for both uses
-    with torch.no_grad():  # = inp.sequence_log_ratio(), bit for bit
-        log_ratio = inp.log_probs - inp.rollout_log_probs
-        log_rho = log_ratio.sum(dim=-1) / num_tokens.squeeze(-1).clamp_min(1).to(log_ratio.dtype)
+    denominator = num_tokens.squeeze(-1).clamp_min(1).to(inp.log_probs.dtype)
+    if inp.per_sequence_advantages:  # = inp.sequence_log_ratio(), bit for bit
+        log_rho = inp.log_ratio.sum(dim=-1) / denominator
+        ratio = _exp_ratio(log_rho).unsqueeze(-1).expand_as(inp.log_probs)
+        log_rho = log_rho.detach()
+    else:
+        with torch.no_grad():
+            log_rho = inp.log_ratio.sum(dim=-1) / denominator
+        ratio = sequence_token_ratio(inp, log_rho)
     rows = num_tokens > 0
     radii = sat_radii(
         log_rho.unsqueeze(-1),
@@ -377,7 +388,7 @@ def sat_gspo_objective(
         sat_quantile,
         weights=num_tokens,
     )
-    terms = _clip(sequence_token_ratio(inp, log_rho), inp, config, radii.eps_low, radii.eps_high)
+    terms = _clip(ratio, inp, config, radii.eps_low, radii.eps_high)
     metrics = sat_metrics(radii, rows, weights=num_tokens)
     return dataclasses.replace(terms, metrics=metrics, radii=radii)
 
@@ -505,13 +516,15 @@ def prepare_inputs(
     )
     dtype = _compute_dtype(log_probs)
     mask = loss_mask.to(torch.bool)
-    if advantages.dim() == 1:
+    per_sequence = advantages.dim() == 1
+    if per_sequence:
         advantages = advantages.unsqueeze(-1).expand(log_probs.shape)
     return LossInputs(
         log_probs=_masked(log_probs, mask, dtype),
         rollout_log_probs=_masked(rollout_log_probs.detach(), mask, dtype),
         advantages=_masked(advantages.detach(), mask, dtype),
         mask=mask,
+        per_sequence_advantages=per_sequence,
     )
 
 
