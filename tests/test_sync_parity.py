@@ -1,0 +1,68 @@
+"""Weight sync from a sharded trainer: ONE torchrun launch (2 gloo ranks) of
+tests/dist/sync_parity.py pushes a TP2 and then an EP2 megatron-core model with
+``push_megatron_weights`` to one embedded rollout server. The server's log-probs of its sampled
+probe tokens (T = 1: ``log_softmax(logits)``, all ``/generate`` exposes of its logits) must equal
+the trainer's forward to fp32 rounding after the sync, and be far from it before; a push whose
+middle bucket the server rejects must raise on both ranks without hanging or changing the
+server's weight_version."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CASES = ("tp2", "ep2")
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict:
+    torchrun = Path(sys.executable).with_name("torchrun")
+    out_dir = tmp_path_factory.mktemp("sync_parity")
+    cmd = [str(torchrun), "--nproc_per_node=2", "tests/dist/sync_parity.py", str(out_dir)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("SYNC_PARITY_RESULT ")]
+    assert proc.returncode == 0 and len(lines) == 1, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return json.loads(lines[0][len("SYNC_PARITY_RESULT ") :])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES)
+def test_server_matches_trainer_after_sync(results, case):
+    server_rank, other = results[case]["ranks"]
+    for r in (server_rank, other):
+        # Different weights before (else the comparison could not fail), fp32 rounding after.
+        assert r["gap_before"] > 0.1, r
+        assert r["gap_after"] <= 1e-4, r
+        assert r["tokens_compared"] >= 8
+    assert server_rank["version_after"] == f"{case}-synced"
+    assert server_rank["version_before"] != server_rank["version_after"]
+    assert server_rank["num_tensors"] == results["num_hf_tensors"]
+    assert server_rank["num_buckets"] > 3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES)
+def test_rejected_bucket_fails_every_rank_without_hanging(results, case):
+    server_rank, other = results[case]["ranks"]
+    # Rank 0 failed part-way (earlier buckets loaded), drained the export, then re-raised.
+    assert server_rank["rejected_error"].startswith("WeightSyncError"), server_rank
+    assert "unknown parameter name" in server_rank["rejected_error"]
+    assert "already loaded earlier buckets" in server_rank["rejected_error"]
+    assert other["rejected_error"].startswith(
+        f"WeightSyncError: weight push '{case}-rejected' failed on rank 0"
+    ), other
+    assert server_rank["version_after_rejected"] == server_rank["version_before"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES)
+def test_push_without_an_updater_is_refused_on_every_rank(results, case):
+    for r in results[case]["ranks"]:
+        assert r["no_holder_error"].startswith("ValueError: exactly one rank"), r
