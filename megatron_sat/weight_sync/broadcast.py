@@ -113,6 +113,9 @@ class WeightUpdater:
         self.world_size = 1 + sum(self.ranks_per_server)
         self._pool = ThreadPoolExecutor(len(self.clients), thread_name_prefix="weight_sync")
         self._group: WeightUpdateGroup | None = None
+        # Buckets are packed here, reused across updates (grown on demand): a fresh buffer per
+        # bucket costs its page faults, on a CPU about as long as the broadcast itself.
+        self._staging: torch.Tensor | None = None
 
     def __enter__(self) -> WeightUpdater:
         self.connect()
@@ -263,7 +266,7 @@ class WeightUpdater:
             if self.flatten_buckets:
                 # One collective per bucket: many small broadcasts cost far more than their
                 # bytes (SGLang's flattened_bucket: each tensor's bytes, in order, as uint8).
-                flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors])
+                flat = self._pack(tensors, device)
                 self._group.broadcast(flat, src=0)
             else:
                 for tensor in tensors:
@@ -278,6 +281,16 @@ class WeightUpdater:
                 "close() and connect() again"
             )
         return num_loaded, failures
+
+    def _pack(self, tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+        """Every tensor's bytes, in order, in (a prefix of) the reused staging buffer."""
+        total = sum(t.numel() * t.element_size() for t in tensors)
+        if self._staging is None or self._staging.numel() < total:
+            self._staging = None  # free the old one before allocating its successor
+            self._staging = torch.empty(total, dtype=torch.uint8, device=device)
+        flat = self._staging[:total]
+        torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors], out=flat)
+        return flat
 
     def _on_all_servers(self, what: str, call: Callable[[SGLangClient], None]) -> None:
         self._raise_failures(what, [self._pool.submit(call, c) for c in self.clients])
@@ -304,6 +317,7 @@ class WeightUpdater:
             if self._group is not None:
                 self._group.destroy()
                 self._group = None
+            self._staging = None
             self._pool.shutdown(wait=True)
 
 

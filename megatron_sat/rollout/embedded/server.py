@@ -218,6 +218,9 @@ class ServerState:
         self.engine = GenerationEngine(config.model_path, seed=config.random_seed)
         self.scheduler = _Scheduler(self.engine, config.max_running_requests)
         self.groups: dict[str, WeightUpdateGroup] = {}
+        # Weight updates land here, reused across requests (grown on demand): a fresh buffer
+        # per bucket costs its page faults, about as long as the broadcast itself on a CPU.
+        self._receive_buffer = torch.empty(0, dtype=torch.uint8)
 
     # ---- /generate --------------------------------------------------------------------------
 
@@ -377,7 +380,7 @@ class ServerState:
         with self.scheduler.model_lock:
             try:
                 if body.get("load_format") == "flattened_bucket":
-                    buffers = _receive_flattened(group, specs)
+                    buffers = self._receive_flattened(group, specs)
                 else:
                     buffers = [torch.empty(shape, dtype=dtype) for _, dtype, shape in specs]
                     works = [group.broadcast(buf, src=0, async_op=True) for buf in buffers]
@@ -392,20 +395,24 @@ class ServerState:
                 self.scheduler.weight_version = str(body["weight_version"])
         return True, "Succeeded to update parameter online."
 
-
-def _receive_flattened(group, specs) -> list[torch.Tensor]:
-    """SGLang's ``flattened_bucket``: one uint8 broadcast holding every tensor's bytes in order
-    (sglang ``srt/weight_sync/tensor_bucket.py``); returns views of it, one per spec."""
-    sizes = [
-        math.prod(shape) * torch.empty((), dtype=dtype).element_size() for _, dtype, shape in specs
-    ]
-    flat = torch.empty(sum(sizes), dtype=torch.uint8)
-    group.broadcast(flat, src=0)
-    out, start = [], 0
-    for (_, dtype, shape), size in zip(specs, sizes, strict=True):
-        out.append(flat[start : start + size].view(dtype).reshape(shape))
-        start += size
-    return out
+    def _receive_flattened(self, group, specs) -> list[torch.Tensor]:
+        """SGLang's ``flattened_bucket``: one uint8 broadcast holding every tensor's bytes in
+        order (sglang ``srt/weight_sync/tensor_bucket.py``), received into the reused buffer;
+        returns views of it, one per spec, valid until the next update."""
+        sizes = [
+            math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            for _, dtype, shape in specs
+        ]
+        total = sum(sizes)
+        if self._receive_buffer.numel() < total:
+            self._receive_buffer = torch.empty(total, dtype=torch.uint8)
+        flat = self._receive_buffer[:total]
+        group.broadcast(flat, src=0)
+        out, start = [], 0
+        for (_, dtype, shape), size in zip(specs, sizes, strict=True):
+            out.append(flat[start : start + size].view(dtype).reshape(shape))
+            start += size
+        return out
 
 
 def create_app(state: ServerState) -> FastAPI:
