@@ -17,8 +17,20 @@ import os
 import sys
 
 
-def _train(args: argparse.Namespace) -> int:
+def _load_config(command: str, path: str | None, overrides: list[str]):
+    """The run config, or exit 2 with the offending field named (no traceback: a user error)."""
+    import yaml
+
     from megatron_sat.config import load_config
+
+    try:
+        return load_config(path, overrides)
+    except (ValueError, TypeError, OSError, yaml.YAMLError) as e:
+        print(f"megatron-sat {command}: config error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def _train(args: argparse.Namespace) -> int:
     from megatron_sat.launch.env import resolve_rank_env
 
     source = resolve_rank_env(os.environ)  # mpirun: OMPI_COMM_WORLD_* -> RANK, WORLD_SIZE, ...
@@ -27,7 +39,7 @@ def _train(args: argparse.Namespace) -> int:
         print(f"megatron-sat train: rank {rank} of {world} (from {source})", file=sys.stderr)
     from megatron_sat.training.rl import run_rl
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = _load_config("train", args.config, args.overrides)
     if args.dry_run:
         import yaml
 
@@ -93,10 +105,9 @@ def _launch(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from megatron_sat.config import load_config
     from megatron_sat.launch.eval_job import EvalOptions, run_eval
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = _load_config("eval", args.config, args.overrides)
     opts = EvalOptions(
         data_path=args.data or cfg.data.eval_path,
         name=args.name,

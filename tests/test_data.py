@@ -210,6 +210,13 @@ def test_loader_errors_name_file_row_and_field(tmp_path):
     path.write_text('{"prompt": "1+1=", "label": 2}\n')
     with pytest.raises(ValueError, match=r"line 1 .*'label' must be a string, got int"):
         load_prompt_dataset(path)
+    path.write_text('{"prompt": "1+1=", "label": "2"}\n{"prompt": " \\n\\t", "label": "2"}\n')
+    with pytest.raises(ValueError, match=r"line 2 .*'prompt' is empty or whitespace only"):
+        load_prompt_dataset(path)
+    chat = [{"role": "system", "content": ""}, {"role": "user", "content": "  "}]
+    path.write_text(json.dumps({"prompt": chat, "label": "2"}) + "\n")
+    with pytest.raises(ValueError, match=r"line 1 .*'prompt' has only blank message contents"):
+        load_prompt_dataset(path, tokenizer=build_char_tokenizer())
     path.write_text('{"question": "q", "answer": "no marker"}\n')
     with pytest.raises(ValueError, match=r"line 1 .*no '#### <number>'"):
         load_prompt_dataset(path)

@@ -562,3 +562,21 @@ def test_rendered_examples_are_current(launcher, name):
     if os.environ.get("REGENERATE_RENDERED"):
         (RENDERED / name).write_text(text)
     assert (RENDERED / name).read_text() == text
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["train", "--config", str(RECIPE), "rollout.lag=-1"], "rollout.lag must be >= 0, got -1"),
+        (["train", "--config", str(RECIPE), "rollout.nope=1"], "['rollout.nope']"),
+        (["train", "--config", "missing.yaml"], "missing.yaml"),
+        (["eval", "--config", str(RECIPE), "train.lr=abc"], "train.lr"),
+    ],
+)
+def test_cli_config_errors_exit_2_naming_the_field(argv, message, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"megatron-sat {argv[0]}: config error:" in err and message in err
+    assert "Traceback" not in err

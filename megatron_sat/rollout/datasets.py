@@ -152,6 +152,8 @@ def _check_messages(messages: list[Any], field: str, where: str) -> None:
         for key in ("role", "content"):
             if not isinstance(message.get(key), str):
                 raise DatasetFormatError(f"{where}: field {field!r}[{i}] needs a string {key!r}")
+    if not any(message["content"].strip() for message in messages):
+        raise DatasetFormatError(f"{where}: field {field!r} has only blank message contents")
 
 
 def _prompt_text(
@@ -159,6 +161,8 @@ def _prompt_text(
 ) -> str:
     """Turns a prompt field (string or chat messages) into prompt text."""
     if isinstance(value, str):
+        if not value.strip():  # a blank prompt would train on the template alone
+            raise DatasetFormatError(f"{where}: field {field!r} is empty or whitespace only")
         if not apply_chat_template:
             text = value
         else:
