@@ -19,6 +19,7 @@ from megatron_sat.objectives import (
     ObjectiveConfig,
     aggregate_loss,
     compute_grpo_advantages,
+    informative_groups,
     mismatch_metrics,
     policy_loss,
     prepare_inputs,
@@ -165,6 +166,20 @@ def test_grpo_advantages_float32_equal_groups_exact_zero_and_dr_grpo():
     dr = compute_grpo_advantages(rewards, group_size=3, normalize_std=False)
     torch.testing.assert_close(dr[3:], torch.tensor([0.2, -0.3, 0.1]), rtol=0, atol=1e-6)
     assert torch.equal(dr[:3], torch.zeros(3))
+
+
+def test_informative_groups_match_nonzero_advantages():
+    # groups: all solved, all failed, mixed, equal up to a NaN, mixed with an inf, all NaN
+    rewards = torch.tensor(
+        [1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, math.nan, 0.5, 0.5]
+        + [0.0, math.inf, 1.0, math.nan, math.nan, math.nan]
+    )
+    keep = informative_groups(rewards, group_size=3)
+    assert keep.tolist() == [False, False, True, False, True, False]
+    adv = compute_grpo_advantages(rewards, group_size=3).view(-1, 3)
+    assert torch.equal((adv != 0).any(-1), keep)
+    with pytest.raises(ValueError, match="groups of 4"):
+        informative_groups(torch.zeros(6), group_size=4)
 
 
 def test_grpo_advantages_all_nan_group_and_errors():

@@ -2,7 +2,7 @@
 trust regions, loss aggregation and mismatch metrics. No I/O, no process groups: distributed
 denominators and the global SAT quantile are computed by the caller and passed in."""
 
-from megatron_sat.objectives.advantages import compute_grpo_advantages
+from megatron_sat.objectives.advantages import compute_grpo_advantages, informative_groups
 from megatron_sat.objectives.aggregation import LOSS_AGG_MODES, aggregate_loss
 from megatron_sat.objectives.metrics import (
     bucket_metrics,
@@ -48,6 +48,7 @@ __all__ = [
     "clip_indicators",
     "clipped_surrogate",
     "compute_grpo_advantages",
+    "informative_groups",
     "hill_kernel",
     "k3_estimator",
     "masked_mean",

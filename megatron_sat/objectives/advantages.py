@@ -60,10 +60,42 @@ def compute_grpo_advantages(
         adv = centred / (var.sqrt() + eps)
     else:
         adv = centred
-    # Exact zeros for constant groups: max == min over the valid rewards.
+    # Exact zeros for constant groups
+    adv = torch.where(valid & ~_constant_groups(r, valid), adv, zero)
+    return adv.reshape(-1)
+
+
+def _constant_groups(r: Tensor, valid: Tensor) -> Tensor:
+    """[num_groups, 1] bool: max == min over the valid rewards (true with none valid)."""
     big = torch.full_like(r, float("inf"))
     group_max = torch.where(valid, r, -big).amax(dim=-1, keepdim=True)
     group_min = torch.where(valid, r, big).amin(dim=-1, keepdim=True)
-    constant = group_max <= group_min  # also true for a group with no valid reward
-    adv = torch.where(valid & ~constant, adv, zero)
-    return adv.reshape(-1)
+    return group_max <= group_min
+
+
+def informative_groups(rewards: Tensor, group_size: int) -> Tensor:
+    """Which prompt groups carry a learning signal: their finite rewards are not all equal.
+
+    A group whose rewards are all equal (all solved or all failed) gets zero advantages, so it
+    only dilutes the loss; DAPO's dynamic sampling (Yu et al., arXiv 2503.14476, Eq. 11:
+    `0 < |{correct}| < G`) drops such groups and samples more prompts. Non-finite rewards are
+    ignored, as in `compute_grpo_advantages`, so a group is informative exactly when that
+    function gives it a non-zero advantage.
+
+    Args:
+        rewards: [N] float, N = num_groups * group_size, each group contiguous.
+        group_size: G >= 1.
+
+    Returns:
+        [num_groups] bool.
+
+    Raises:
+        ValueError: as `compute_grpo_advantages`.
+    """
+    if rewards.dim() != 1 or group_size < 1 or rewards.numel() % group_size != 0:
+        raise ValueError(
+            f"rewards of shape {tuple(rewards.shape)} cannot form groups of {group_size}"
+        )
+    r = rewards.to(torch.float64).view(-1, group_size)
+    valid = torch.isfinite(r)
+    return ~_constant_groups(torch.where(valid, r, torch.zeros_like(r)), valid).squeeze(-1)
