@@ -137,7 +137,7 @@ def main() -> None:
     )
     cuda = torch.cuda.is_available()
 
-    from megatron_sat.models.qwen3_moe import build_gpt_model, transformer_config_from_hf
+    from megatron_sat.models import build_gpt_model, transformer_config_from_hf
     from megatron_sat.routing.replay import RoutingReplay
     from megatron_sat.training.batching import build_micro_batch
     from megatron_sat.training.distributed import ParallelConfig, init_distributed

@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from megatron_sat.config import TrainConfig
-from megatron_sat.models.qwen3_moe import build_gpt_model, transformer_config_from_hf
+from megatron_sat.models import build_gpt_model, transformer_config_from_hf
 from megatron_sat.rollout.types import Sample
 from megatron_sat.routing.payload import (
     decode_routed_experts,

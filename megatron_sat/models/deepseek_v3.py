@@ -20,10 +20,13 @@ import functools
 from collections.abc import Mapping
 from typing import Any
 
-import torch
-
 from megatron_sat.models.qwen3_moe import hf_rope_theta
-from megatron_sat.models.registry import common_transformer_kwargs, moe_layer_freq, require
+from megatron_sat.models.registry import (
+    ModelLayout,
+    common_transformer_kwargs,
+    moe_layer_freq,
+    require,
+)
 
 ARCHITECTURE = "DeepseekV3ForCausalLM"
 
@@ -35,22 +38,10 @@ def moe_layer_pattern(hf_config: Mapping[str, Any]) -> list[int]:
     return [int(i >= first_dense) for i in range(num_layers)]
 
 
-def transformer_config_from_hf(
-    hf_config: Mapping[str, Any],
-    *,
-    tensor_model_parallel_size: int = 1,
-    expert_model_parallel_size: int = 1,
-    pipeline_model_parallel_size: int = 1,
-    params_dtype: torch.dtype = torch.float32,
-    moe_token_dispatcher_type: str = "alltoall",
-    moe_enable_routing_replay: bool = True,
-    recompute_granularity: str | None = None,
-    expert_tensor_parallel_size: int | None = None,
-    **overrides: Any,
-):
+def transformer_config(hf_config: Mapping[str, Any], layout: ModelLayout, **overrides: Any):
     """megatron-core ``MLATransformerConfig`` of a DeepSeek-V3 ``config.json``.
 
-    Arguments as :func:`megatron_sat.models.qwen3_moe.transformer_config_from_hf`.
+    Called by :func:`megatron_sat.models.registry.transformer_config_from_hf`.
 
     Raises:
         ValueError: for another architecture; ``rope_interleave=false`` (megatron-core's MLA
@@ -82,17 +73,7 @@ def transformer_config_from_hf(
             f"(got {topk} // {topk_group})"
         )
     pattern = moe_layer_pattern(hf_config)
-    kwargs = common_transformer_kwargs(
-        hf_config,
-        tensor_model_parallel_size=tensor_model_parallel_size,
-        expert_model_parallel_size=expert_model_parallel_size,
-        pipeline_model_parallel_size=pipeline_model_parallel_size,
-        params_dtype=params_dtype,
-        moe_token_dispatcher_type=moe_token_dispatcher_type,
-        moe_enable_routing_replay=moe_enable_routing_replay,
-        recompute_granularity=recompute_granularity,
-        expert_tensor_parallel_size=expert_tensor_parallel_size,
-    )
+    kwargs = common_transformer_kwargs(hf_config, layout)
     moe_width = int(require(hf_config, "moe_intermediate_size"))
     num_shared = int(hf_config.get("n_shared_experts") or 0)
     q_lora_rank = hf_config.get("q_lora_rank")

@@ -14,30 +14,21 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import torch
-
 from megatron_sat.models.qwen3_moe import moe_layer_pattern
-from megatron_sat.models.registry import common_transformer_kwargs, moe_layer_freq, require
+from megatron_sat.models.registry import (
+    ModelLayout,
+    common_transformer_kwargs,
+    moe_layer_freq,
+    require,
+)
 
 ARCHITECTURE = "Qwen2MoeForCausalLM"
 
 
-def transformer_config_from_hf(
-    hf_config: Mapping[str, Any],
-    *,
-    tensor_model_parallel_size: int = 1,
-    expert_model_parallel_size: int = 1,
-    pipeline_model_parallel_size: int = 1,
-    params_dtype: torch.dtype = torch.float32,
-    moe_token_dispatcher_type: str = "alltoall",
-    moe_enable_routing_replay: bool = True,
-    recompute_granularity: str | None = None,
-    expert_tensor_parallel_size: int | None = None,
-    **overrides: Any,
-):
+def transformer_config(hf_config: Mapping[str, Any], layout: ModelLayout, **overrides: Any):
     """megatron-core ``TransformerConfig`` of a Qwen2-MoE ``config.json``.
 
-    Arguments as :func:`megatron_sat.models.qwen3_moe.transformer_config_from_hf`.
+    Called by :func:`megatron_sat.models.registry.transformer_config_from_hf`.
 
     Raises:
         ValueError: for another architecture, sliding-window attention, no MoE layer at all,
@@ -52,17 +43,7 @@ def transformer_config_from_hf(
     pattern = moe_layer_pattern(hf_config)
     if not any(pattern) or not int(hf_config.get("num_experts") or 0):
         raise ValueError("config.json has no MoE layer (num_experts / mlp_only_layers)")
-    kwargs = common_transformer_kwargs(
-        hf_config,
-        tensor_model_parallel_size=tensor_model_parallel_size,
-        expert_model_parallel_size=expert_model_parallel_size,
-        pipeline_model_parallel_size=pipeline_model_parallel_size,
-        params_dtype=params_dtype,
-        moe_token_dispatcher_type=moe_token_dispatcher_type,
-        moe_enable_routing_replay=moe_enable_routing_replay,
-        recompute_granularity=recompute_granularity,
-        expert_tensor_parallel_size=expert_tensor_parallel_size,
-    )
+    kwargs = common_transformer_kwargs(hf_config, layout)
     num_heads = int(hf_config["num_attention_heads"])
     kwargs.update(
         num_query_groups=int(hf_config.get("num_key_value_heads") or num_heads),

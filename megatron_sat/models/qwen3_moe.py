@@ -1,4 +1,4 @@
-"""Qwen3-MoE on megatron-core: HF ``config.json`` -> ``TransformerConfig`` and ``GPTModel``.
+"""Qwen3-MoE on megatron-core: HF ``config.json`` -> ``TransformerConfig``.
 
 Qwen3-MoE (transformers ``Qwen3MoeForCausalLM``): GQA attention with RMSNorm on q and k per
 head, RoPE, SwiGLU experts, a softmax top-k router with optional re-normalisation of the top-k
@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import torch
+from megatron_sat.models.registry import ModelLayout, common_transformer_kwargs, moe_layer_freq
 
 SUPPORTED_ARCHITECTURES = ("Qwen3MoeForCausalLM",)
 
@@ -66,33 +66,11 @@ def moe_layer_pattern(hf_config: Mapping[str, Any]) -> list[int]:
     return [int(i not in dense and (i + 1) % step == 0) for i in range(num_layers)]
 
 
-def transformer_config_from_hf(
-    hf_config: Mapping[str, Any],
-    *,
-    tensor_model_parallel_size: int = 1,
-    expert_model_parallel_size: int = 1,
-    pipeline_model_parallel_size: int = 1,
-    params_dtype: torch.dtype = torch.float32,
-    moe_token_dispatcher_type: str = "alltoall",
-    moe_enable_routing_replay: bool = True,
-    recompute_granularity: str | None = None,
-    expert_tensor_parallel_size: int | None = None,
-    **overrides: Any,
-):
-    """The one place that derives megatron-core's ``TransformerConfig`` from ``config.json``.
+def transformer_config(hf_config: Mapping[str, Any], layout: ModelLayout, **overrides: Any):
+    """megatron-core ``TransformerConfig`` of a Qwen3-MoE ``config.json`` on ``layout``.
 
-    Args:
-        hf_config: The parsed HF ``config.json`` of a Qwen3-MoE model.
-        tensor_model_parallel_size, expert_model_parallel_size, pipeline_model_parallel_size:
-            Megatron parallel sizes; sequence parallelism is switched on whenever TP > 1 (MoE
-            requires it).
-        params_dtype: Parameter dtype (float32 on CPU).
-        moe_token_dispatcher_type: ``alltoall`` or ``allgather``.
-        moe_enable_routing_replay: Give every router a megatron-core ``RouterReplay``.
-        recompute_granularity: None or ``full`` (uniform, one layer per chunk).
-        expert_tensor_parallel_size: TP degree of the experts (None: megatron-core's default,
-            the TP size; 1 lets TP2 x EP2 run on 2 ranks).
-        overrides: Further ``TransformerConfig`` fields, applied last.
+    Called by :func:`megatron_sat.models.registry.transformer_config_from_hf`; ``overrides``
+    are further ``TransformerConfig`` fields, applied last.
 
     Dense layers (``mlp_only_layers``, ``decoder_sparse_step``; :func:`moe_layer_pattern`)
     become megatron-core's ``moe_layer_freq`` list, with ``intermediate_size`` as their FFN
@@ -112,19 +90,7 @@ def transformer_config_from_hf(
         raise ValueError("config.json has no MoE layer (mlp_only_layers / decoder_sparse_step)")
     if not all(pattern) and not hf_config.get("intermediate_size"):
         raise ValueError("config.json has dense layers but no intermediate_size for them")
-    from megatron_sat.models.registry import common_transformer_kwargs, moe_layer_freq
-
-    kwargs = common_transformer_kwargs(
-        hf_config,
-        tensor_model_parallel_size=tensor_model_parallel_size,
-        expert_model_parallel_size=expert_model_parallel_size,
-        pipeline_model_parallel_size=pipeline_model_parallel_size,
-        params_dtype=params_dtype,
-        moe_token_dispatcher_type=moe_token_dispatcher_type,
-        moe_enable_routing_replay=moe_enable_routing_replay,
-        recompute_granularity=recompute_granularity,
-        expert_tensor_parallel_size=expert_tensor_parallel_size,
-    )
+    kwargs = common_transformer_kwargs(hf_config, layout)
     num_heads = int(hf_config["num_attention_heads"])
     kwargs.update(
         num_query_groups=int(hf_config.get("num_key_value_heads", num_heads)),
@@ -143,40 +109,3 @@ def transformer_config_from_hf(
     )
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
-
-
-def build_gpt_model(
-    hf_config: Mapping[str, Any],
-    config,
-    *,
-    pre_process: bool = True,
-    post_process: bool = True,
-    use_transformer_engine: bool | None = None,
-):
-    """Build a megatron-core ``GPTModel`` for ``hf_config`` on this rank.
-
-    Uses the transformer-engine layer spec when TE is importable on a CUDA machine, the local
-    spec otherwise (``use_transformer_engine`` overrides). Model parallel state must already be
-    initialised (see :mod:`megatron_sat.training.distributed`).
-    """
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-
-    from megatron_sat.platform import have_transformer_engine
-
-    if use_transformer_engine is None:
-        use_transformer_engine = have_transformer_engine()
-    spec = get_gpt_decoder_block_spec(
-        config, use_transformer_engine=use_transformer_engine, normalization="RMSNorm"
-    )
-    return GPTModel(
-        config=config,
-        transformer_layer_spec=spec,
-        vocab_size=int(hf_config["vocab_size"]),
-        max_sequence_length=int(hf_config.get("max_position_embeddings", 4096)),
-        pre_process=pre_process,
-        post_process=post_process,
-        share_embeddings_and_output_weights=bool(hf_config.get("tie_word_embeddings", False)),
-        position_embedding_type="rope",
-        rotary_base=hf_rope_theta(hf_config),
-    )

@@ -1,17 +1,20 @@
 """Architecture registry: the HF ``architectures`` name picks the model family.
 
 Each family is one small module (``qwen3_moe``, ``mixtral``, ``qwen2_moe``, ``deepseek_v3``)
-with a ``transformer_config_from_hf`` that derives megatron-core's ``TransformerConfig`` from
-``config.json``. The checkpoint name maps are chosen by the same name
-(:mod:`megatron_sat.checkpoint.archs`). This module also holds what the new families share: the
-parallel/CPU fields of the config and a generic ``GPTModel`` builder.
+with a ``transformer_config(hf_config, layout, **overrides)`` that derives megatron-core's
+``TransformerConfig`` from ``config.json``. The checkpoint name maps are chosen by the same name
+(:mod:`megatron_sat.checkpoint.archs`). This module holds what the families share: the layout
+(:class:`ModelLayout`), the parallel/CPU fields of the config, the one public
+:func:`transformer_config_from_hf` and the ``GPTModel`` builder.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -48,21 +51,58 @@ def family_module(hf_config: Mapping[str, Any]):
     )
 
 
-def transformer_config_from_hf(hf_config: Mapping[str, Any], **kwargs: Any):
-    """Dispatch to the family's ``transformer_config_from_hf`` (same keyword arguments as
-    :func:`megatron_sat.models.qwen3_moe.transformer_config_from_hf`).
+@dataclass(frozen=True)
+class ModelLayout:
+    """How a model is split over ranks and run: the non-architecture ``TransformerConfig`` fields.
+
+    Attributes:
+        tensor_model_parallel_size, expert_model_parallel_size, pipeline_model_parallel_size:
+            Megatron parallel sizes; sequence parallelism is switched on whenever TP > 1 (MoE
+            requires it).
+        expert_tensor_parallel_size: TP degree of the experts (None: megatron-core's default,
+            the TP size; 1 lets TP2 x EP2 run on 2 ranks).
+        params_dtype: parameter dtype (float32 on CPU).
+        moe_token_dispatcher_type: ``alltoall`` or ``allgather``.
+        moe_enable_routing_replay: give every router a megatron-core ``RouterReplay`` (R3).
+        recompute_granularity: None or ``full`` (uniform, one layer per chunk).
+    """
+
+    tensor_model_parallel_size: int = 1
+    expert_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    expert_tensor_parallel_size: int | None = None
+    params_dtype: torch.dtype = torch.float32
+    moe_token_dispatcher_type: str = "alltoall"
+    moe_enable_routing_replay: bool = True
+    recompute_granularity: str | None = None
+
+
+_LAYOUT_FIELDS = frozenset(f.name for f in dataclasses.fields(ModelLayout))
+
+
+def transformer_config_from_hf(
+    hf_config: Mapping[str, Any], layout: ModelLayout | None = None, **kwargs: Any
+):
+    """The one place that derives megatron-core's ``TransformerConfig`` from ``config.json``.
+
+    The family (by ``architectures``) supplies the architecture fields; ``layout`` and any
+    :class:`ModelLayout` field given by keyword (e.g. ``tensor_model_parallel_size=2``) the
+    layout; the remaining keywords are further ``TransformerConfig`` fields, applied last.
 
     Raises:
-        ValueError: for an unsupported architecture or a config value the family cannot map.
+        ValueError: for an unsupported architecture or a config value the family cannot map
+            (named).
     """
-    return family_module(hf_config).transformer_config_from_hf(hf_config, **kwargs)
+    given = {k: kwargs.pop(k) for k in list(kwargs) if k in _LAYOUT_FIELDS}
+    layout = dataclasses.replace(layout or ModelLayout(), **given)
+    return family_module(hf_config).transformer_config(hf_config, layout, **kwargs)
 
 
 def build_gpt_model(hf_config: Mapping[str, Any], config, **kwargs: Any):
     """Build this rank's megatron-core ``GPTModel`` for ``hf_config`` (dispatch by architecture).
 
-    Qwen3-MoE uses :func:`megatron_sat.models.qwen3_moe.build_gpt_model`; the other families use
-    :func:`build_generic_gpt_model`. Model-parallel state must be initialised.
+    A family with its own layer spec defines ``build_gpt_model`` (DeepSeek-V3's MLA); the others
+    use :func:`build_generic_gpt_model`. Model-parallel state must be initialised.
     """
     module = family_module(hf_config)
     builder = getattr(module, "build_gpt_model", build_generic_gpt_model)
@@ -99,36 +139,22 @@ def require(hf_config: Mapping[str, Any], key: str) -> Any:
     return value
 
 
-def common_transformer_kwargs(
-    hf_config: Mapping[str, Any],
-    *,
-    tensor_model_parallel_size: int,
-    expert_model_parallel_size: int,
-    pipeline_model_parallel_size: int,
-    params_dtype: torch.dtype,
-    moe_token_dispatcher_type: str,
-    moe_enable_routing_replay: bool,
-    recompute_granularity: str | None,
-    expert_tensor_parallel_size: int | None = None,
-) -> dict[str, Any]:
-    """``TransformerConfig`` fields shared by every family: sizes, norms, SwiGLU, parallel layout,
+def common_transformer_kwargs(hf_config: Mapping[str, Any], layout: ModelLayout) -> dict[str, Any]:
+    """``TransformerConfig`` fields shared by every family: sizes, norms, SwiGLU, the layout,
     CPU-safe settings (CPU initialisation, fusions off), no aux loss, dropout from config.json.
-    ``pipeline_dtype`` is the parameter dtype when PP > 1; ``expert_tensor_parallel_size`` None
-    keeps megatron-core's default (the TP size).
+    ``pipeline_dtype`` is the parameter dtype when PP > 1.
 
     Raises:
         ValueError: for ``hidden_act`` other than ``silu``, or a vocabulary that does not split
             evenly over the tensor-parallel ranks (megatron-core does not pad it here).
     """
+    tp = layout.tensor_model_parallel_size
     act = hf_config.get("hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"config.json hidden_act={act!r}: only silu (SwiGLU) is mapped")
     vocab = int(require(hf_config, "vocab_size"))
-    if vocab % tensor_model_parallel_size:
-        raise ValueError(
-            f"vocab_size={vocab} is not divisible by tensor_model_parallel_size="
-            f"{tensor_model_parallel_size}"
-        )
+    if vocab % tp:
+        raise ValueError(f"vocab_size={vocab} is not divisible by tensor_model_parallel_size={tp}")
     num_heads = int(require(hf_config, "num_attention_heads"))
     hidden = int(require(hf_config, "hidden_size"))
     kwargs: dict[str, Any] = dict(
@@ -144,15 +170,15 @@ def common_transformer_kwargs(
         attention_dropout=float(hf_config.get("attention_dropout") or 0.0),
         moe_router_load_balancing_type="none",
         moe_aux_loss_coeff=0.0,
-        moe_token_dispatcher_type=moe_token_dispatcher_type,
-        moe_enable_routing_replay=moe_enable_routing_replay,
+        moe_token_dispatcher_type=layout.moe_token_dispatcher_type,
+        moe_enable_routing_replay=layout.moe_enable_routing_replay,
         moe_grouped_gemm=False,
-        params_dtype=params_dtype,
-        bf16=params_dtype == torch.bfloat16,
-        tensor_model_parallel_size=tensor_model_parallel_size,
-        expert_model_parallel_size=expert_model_parallel_size,
-        pipeline_model_parallel_size=pipeline_model_parallel_size,
-        sequence_parallel=tensor_model_parallel_size > 1,
+        params_dtype=layout.params_dtype,
+        bf16=layout.params_dtype == torch.bfloat16,
+        tensor_model_parallel_size=tp,
+        expert_model_parallel_size=layout.expert_model_parallel_size,
+        pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
+        sequence_parallel=tp > 1,
         # CPU initialisation makes TP runs bit-identical to TP=1; fusions need CUDA kernels.
         use_cpu_initialization=True,
         bias_activation_fusion=False,
@@ -163,13 +189,13 @@ def common_transformer_kwargs(
         gradient_accumulation_fusion=False,
         moe_router_fusion=False,
     )
-    if pipeline_model_parallel_size > 1:
-        kwargs["pipeline_dtype"] = params_dtype
-    if expert_tensor_parallel_size is not None:
-        kwargs["expert_tensor_parallel_size"] = expert_tensor_parallel_size
-    if recompute_granularity is not None:
+    if layout.pipeline_model_parallel_size > 1:
+        kwargs["pipeline_dtype"] = layout.params_dtype
+    if layout.expert_tensor_parallel_size is not None:
+        kwargs["expert_tensor_parallel_size"] = layout.expert_tensor_parallel_size
+    if layout.recompute_granularity is not None:
         kwargs.update(
-            recompute_granularity=recompute_granularity,
+            recompute_granularity=layout.recompute_granularity,
             recompute_method="uniform",
             recompute_num_layers=1,
         )

@@ -61,7 +61,7 @@ def build(hf_config, *, tp=1, pp=1, ep=1, etp=None, dispatcher="alltoall", recom
     """This rank's model stage (a GPTModel) for the current parallel state."""
     from megatron.core import parallel_state
 
-    from megatron_sat.models.qwen3_moe import build_gpt_model, transformer_config_from_hf
+    from megatron_sat.models import build_gpt_model, transformer_config_from_hf
 
     config = transformer_config_from_hf(
         hf_config,

@@ -22,7 +22,7 @@ from r3_common import HF_CONFIG, make_samples, nll_loss
 
 
 def main() -> None:
-    from megatron_sat.models.qwen3_moe import build_gpt_model, transformer_config_from_hf
+    from megatron_sat.models import build_gpt_model, transformer_config_from_hf
     from megatron_sat.platform import apply_cpu_shims
     from megatron_sat.routing.replay import RoutingReplay
     from megatron_sat.training.distributed import ParallelConfig, init_distributed
