@@ -6,6 +6,7 @@ import contextlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from megatron_sat.checkpoint.hf_io import (
@@ -22,10 +23,11 @@ from megatron_sat.objectives import (
     sat_abs_staleness,
 )
 from megatron_sat.rollout.types import Sample, staleness
-from megatron_sat.routing.replay import capture_routing, replay_routing
+from megatron_sat.routing.replay import RoutingReplay, capture_routing
+from megatron_sat.routing.slicing import router_token_order
 from megatron_sat.training.batching import MicroBatch, build_micro_batch
 from megatron_sat.training.distributed import ParallelConfig, init_distributed
-from megatron_sat.training.logprobs import forward_log_probs, routing_agreement
+from megatron_sat.training.logprobs import forward_log_probs
 from megatron_sat.training.loss_reduction import (
     MetricAccumulator,
     dp_loss_scale,
@@ -46,21 +48,35 @@ def ages_tensor(ages: Sequence[int | None], index: int, size: int) -> torch.Tens
 
 
 class PolicyTrainer:
-    """A megatron-core Qwen3-MoE policy with its DDP wrapper and Megatron optimizer.
+    """A megatron-core MoE policy with its DDP wrapper and Megatron optimizer.
+
+    Parallel layouts (``parallel``; the world is torchrun's): tensor parallelism (TP, always
+    with sequence parallelism: megatron-core requires it for MoE, see
+    ``transformer_config_from_hf``), expert parallelism (EP, experts split over ranks and
+    reached by the token dispatcher's all-to-all), and data parallelism over what is left
+    (megatron-core's data-parallel group: world / TP for dense weights, world / (expert TP x EP)
+    for expert weights). Pipeline parallelism is refused.
+
+    Who passes which samples to ``rl_step`` / ``sft_step``: every rank of one data-parallel
+    rank (its TP ranks, ``parallel_state.get_data_parallel_rank()``) the same samples, and each
+    data-parallel rank its own share of whole groups (possibly none). Under EP2 on two ranks the
+    dense data-parallel size is 2, so each rank has its own share; under TP2 on two ranks it
+    is 1, so both ranks pass the whole batch.
 
     Args:
-        hf_config: The model's HF ``config.json`` (Qwen3-MoE).
-        load_from: HF checkpoint directory whose weights are loaded, or None to keep
-            megatron-core's random initialisation (seeded by ``train.seed``).
+        hf_config: The model's HF ``config.json`` (Qwen3-MoE or another registered family).
+        load_from: HF checkpoint directory whose weights are loaded (each rank its shards), or
+            None to keep megatron-core's random initialisation (seeded by ``train.seed``).
         train: optimisation settings (lr, Adam, clipping, micro-batch size, R3 on/off).
-        parallel: Megatron parallel layout: TP = EP = PP = 1 and any number of data-parallel
-            ranks (the world size under torchrun). Every DP rank holds the full weights, made
-            identical at construction by a broadcast from DP rank 0.
+        parallel: Megatron parallel layout. DP ranks start from identical weights (a
+            broadcast from DP rank 0 when the DP size is > 1).
         pad_token_id: token id used for padding.
 
     Raises:
-        ValueError: for a parallel layout other than TP = EP = PP = 1 (the weight export of
-            sharded models is not wired yet).
+        ValueError: ``parallel.pipeline_model_parallel_size`` > 1 (the steps run their
+            micro-batches without a pipeline schedule), or megatron-core's parallel state was
+            already initialised with other sizes (``init_distributed`` is idempotent and would
+            silently keep them).
     """
 
     def __init__(
@@ -72,32 +88,61 @@ class PolicyTrainer:
         pad_token_id: int,
         load_from: str | Path | None,
     ) -> None:
-        if (
-            parallel.tensor_model_parallel_size,
-            parallel.expert_model_parallel_size,
-            parallel.pipeline_model_parallel_size,
-        ) != (1, 1, 1):
-            raise ValueError("parallel: the trainer currently supports TP = EP = PP = 1 only")
+        if parallel.pipeline_model_parallel_size != 1:
+            raise ValueError(
+                f"parallel.pipeline_model_parallel_size={parallel.pipeline_model_parallel_size}: "
+                "the trainer supports PP = 1 only (its steps run micro-batches without a "
+                "pipeline schedule); use tensor_model_parallel_size / expert_model_parallel_size"
+            )
+        from megatron.core import parallel_state
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         init_distributed(parallel, seed=train.seed)
+        have = (
+            parallel_state.get_tensor_model_parallel_world_size(),
+            parallel_state.get_expert_model_parallel_world_size(),
+            parallel_state.get_pipeline_model_parallel_world_size(),
+        )
+        want = (
+            parallel.tensor_model_parallel_size,
+            parallel.expert_model_parallel_size,
+            parallel.pipeline_model_parallel_size,
+        )
+        if have != want:
+            raise ValueError(
+                f"megatron-core's parallel state is already initialised with (TP, EP, PP) = "
+                f"{have}, but parallel asks for {want}: destroy it first "
+                "(training.distributed.destroy_distributed)"
+            )
         self.train_config = train
         self.pad_token_id = pad_token_id
         self.hf_config = hf_config
-        self.config = transformer_config_from_hf(self.hf_config, moe_enable_routing_replay=True)
+        self.config = transformer_config_from_hf(
+            self.hf_config,
+            tensor_model_parallel_size=parallel.tensor_model_parallel_size,
+            expert_model_parallel_size=parallel.expert_model_parallel_size,
+            pipeline_model_parallel_size=1,
+            moe_enable_routing_replay=True,
+        )
         model = build_gpt_model(self.hf_config, self.config)
         if load_from is not None:
             load_hf_into_model(model, load_from)
+        # average_in_collective=False (megatron-core's default) pre-scales dense AND expert
+        # gradients by 1 / (dense DP size) before summing them over their own DP groups
+        # (expert_gradient_scaling_factor in distributed_data_parallel.py). Expert weights
+        # already receive the gradient of every DP rank's tokens through the all-to-all, so
+        # with losses multiplied by dp_loss_scale (= dense DP size) both kinds of weights get
+        # the gradient of the global loss.
         self.model = DistributedDataParallel(
             self.config,
             DistributedDataParallelConfig(
-                grad_reduce_in_fp32=True, use_distributed_optimizer=False
+                grad_reduce_in_fp32=True,
+                use_distributed_optimizer=False,
+                average_in_collective=False,
             ),
             model,
         )
-        from megatron.core import parallel_state
-
         if parallel_state.get_data_parallel_world_size() > 1:
             self.model.broadcast_params()
         self.optimizer = get_megatron_optimizer(
@@ -119,12 +164,21 @@ class PolicyTrainer:
             self.config.moe_router_topk,
             self.config.num_moe_experts,
         )
+        # R3 replay and the routing audit on this rank's tokens (the TP rank's sequence shard
+        # under sequence parallelism, MoE layers only).
+        self.routing = RoutingReplay(self.model)
+        self.sequence_parallel = bool(self.config.sequence_parallel)
+        self.tp_size = parallel_state.get_tensor_model_parallel_world_size()
+        # Sequence parallelism splits every micro-batch's sequence evenly over the TP ranks.
+        self.pad_to_multiple_of = self.tp_size if self.sequence_parallel else 1
 
     # -- batches -------------------------------------------------------------------------
     def micro_batches(
         self, samples: Sequence[Sample], advantages: torch.Tensor, with_routes: bool
     ) -> list[MicroBatch]:
-        """Split ``samples`` into micro-batches of ``train.micro_batch_size``."""
+        """Split ``samples`` into micro-batches of ``train.micro_batch_size``, each padded to a
+        sequence length divisible by the TP size under sequence parallelism (padding has no
+        active token and causal attention, so it changes no log-prob of a real token)."""
         size = self.train_config.micro_batch_size
         return [
             build_micro_batch(
@@ -132,9 +186,114 @@ class PolicyTrainer:
                 advantages[i : i + size],
                 pad_token_id=self.pad_token_id,
                 routing_shape=self.routing_shape if with_routes else None,
+                pad_to_multiple_of=self.pad_to_multiple_of,
             )
             for i in range(0, len(samples), size)
         ]
+
+    def _filler_micro_batch(self, with_routes: bool) -> MicroBatch:
+        """A one-row micro-batch without any active token (one padding token as its prompt,
+        filler routes): the forward/backward a rank runs to keep expert-parallel collectives in
+        step when it has fewer micro-batches than another rank of its expert group."""
+        num_layers, top_k, _ = self.routing_shape
+        sample = Sample(
+            index=-1,
+            group_index=-1,
+            prompt="",
+            label="",
+            prompt_ids=[self.pad_token_id],
+            response_ids=[],
+            rollout_log_probs=[],
+            response_versions=[],
+            routed_experts=np.zeros((0, num_layers, top_k), dtype=np.uint8),
+        )
+        return build_micro_batch(
+            [sample],
+            torch.zeros(1),
+            pad_token_id=self.pad_token_id,
+            routing_shape=self.routing_shape if with_routes else None,
+            pad_to_multiple_of=self.pad_to_multiple_of,
+        )
+
+    def _with_fillers(self, mbs: list[MicroBatch], with_routes: bool) -> list[MicroBatch]:
+        """``mbs`` followed by filler micro-batches up to the largest micro-batch count in this
+        rank's expert tensor-and-model-parallel group.
+
+        Every forward (and backward) through an MoE layer runs the token dispatcher's
+        collectives over that group; its ranks can belong to different data-parallel ranks
+        (EP), whose shares may differ in size or be empty, so all of them must run as many
+        forwards. A collective over the group (none when it has one rank).
+        """
+        from megatron.core import parallel_state
+
+        group = parallel_state.get_expert_tensor_and_model_parallel_group()
+        if group_size(group) == 1:
+            return list(mbs)
+        count = global_max(len(mbs), group)
+        return list(mbs) + [self._filler_micro_batch(with_routes) for _ in range(count - len(mbs))]
+
+    def _replayed(self, mb: MicroBatch, *, training: bool) -> contextlib.AbstractContextManager:
+        """Context in which the next forward replays ``mb``'s rollout routes (R3) in every MoE
+        router of this rank, cut to this rank's tokens (``RoutingReplay.routes_for``)."""
+
+        @contextlib.contextmanager
+        def session() -> Iterator[None]:
+            routes = self.routing.routes_for(mb.routes, mb.routes_valid)
+            with self.routing.replay({0: routes}, training=training, audit=False):
+                with self.routing.micro_batch(0):
+                    yield
+
+        return session()
+
+    def _topk_agreement(self, captured: dict[int, torch.Tensor], mb: MicroBatch) -> float:
+        """Fraction of (MoE layer, active token) pairs whose experts equal the rollout's.
+
+        The routing maps in ``captured`` hold this rank's tokens in the router's order (a
+        sequence shard under sequence parallelism); the counts are summed over the TP group,
+        so every TP rank returns the value of the whole micro-batch. 0.0 without an active
+        token (its weight in the metrics is 0 then).
+
+        Args:
+            captured: layer number -> bool routing map [local tokens, num_experts]
+                (``capture_routing``).
+            mb: the micro-batch, with routes.
+        """
+        from megatron.core import parallel_state
+
+        coords = dict(
+            tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+            tp_size=self.tp_size,
+            sequence_parallel=self.sequence_parallel,
+        )
+        active = router_token_order(mb.active, **coords)
+        counts = torch.zeros(2, dtype=torch.float64)
+        for layer, used in captured.items():
+            rollout = router_token_order(mb.routes[:, :, layer - 1], **coords).long()
+            rollout_map = torch.zeros_like(used).scatter_(1, rollout.to(used.device), True)
+            same = (rollout_map == used).all(dim=1)[active.to(used.device)]
+            counts[0] += float(same.sum())
+            counts[1] += same.numel()
+        if self.sequence_parallel and self.tp_size > 1:
+            torch.distributed.all_reduce(
+                counts, group=parallel_state.get_tensor_model_parallel_group()
+            )
+        return float(counts[0] / counts[1]) if counts[1] > 0 else 0.0
+
+    def _finish_grads(self) -> None:
+        """Complete every gradient after the backward passes: the DDP reduction over the data-
+        parallel groups, then the sum over the TP group of the gradients each TP rank holds
+        only partly (sequence-parallel norms and routers see a sequence shard; q/k norms see
+        a head shard). A collective; the TP part is a no-op at TP = 1.
+
+        megatron-core's ``finalize_model_grads`` would do both, but also updates routers'
+        expert biases (DeepSeek-V3) and PP embedding sums, which the steps here never did.
+        """
+        from megatron.core.distributed.finalize_model_grads import (
+            _allreduce_non_tensor_model_parallel_grads,
+        )
+
+        self.model.finish_grad_sync()
+        _allreduce_non_tensor_model_parallel_grads([self.model], self.config)
 
     # -- steps ---------------------------------------------------------------------------
     def rl_step(
@@ -147,16 +306,20 @@ class PolicyTrainer:
     ) -> dict[str, float]:
         """One optimizer step of the policy objective on this rank's share of the batch.
 
-        A collective over megatron-core's data-parallel group: every DP rank calls it once per
-        step with its own samples (possibly none). The step is independent of how the global
-        batch is split into micro-batches and ranks, up to fp32 rounding
-        (tests/test_split_invariance.py):
+        A collective over all trainer ranks: every rank calls it once per step, the TP ranks
+        of one data-parallel rank with the same samples, each data-parallel rank with its own
+        share (possibly none; see the class docstring). The step is independent of how the
+        global batch is split into micro-batches, DP ranks, TP and EP shards, up to fp32
+        rounding (tests/test_split_invariance.py, tests/test_trainer_parallel.py):
 
         - Loss denominators (active tokens; responses with >= 1 active token) are counted over
           all micro-batches of all DP ranks (an all-reduce, ``global_loss_denominators``), so
           each micro-batch's loss is its share of the global loss. Each share is multiplied by
-          the DP size before ``backward`` because megatron-core's DDP averages gradients over
-          DP ranks (``dp_loss_scale``); the result is the gradient of the global loss.
+          the DP size before ``backward`` because megatron-core's DDP pre-scales dense and
+          expert gradients by 1 / DP size (``dp_loss_scale``); the result is the gradient of
+          the global loss. TP ranks compute the same loss (vocab-parallel cross entropy), as
+          megatron-core's TP backward expects; gradients TP ranks hold in part are summed over
+          TP after the backward passes.
         - SAT's quantile q is exact over the global batch: a no-grad forward (same routing as
           the training forward) gives |d| of every active token, which is all-gathered with
           uneven sizes and fed to ``sat_reference_quantile`` (``global_sat_quantile``). With
@@ -167,6 +330,9 @@ class PolicyTrainer:
           computed for TIS / IcePop.
         - With ``train.use_r3`` every forward that trains or sets q replays the rollout engine's
           experts; one more no-grad forward with live routing gives the live diagnostics.
+        - Under EP a rank with fewer micro-batches than another rank of its expert group runs
+          forwards/backwards of empty filler micro-batches, so the dispatcher's all-to-alls
+          stay in step; they contribute nothing.
 
         Args:
             samples: this rank's samples, whole GRPO groups.
@@ -206,6 +372,7 @@ class PolicyTrainer:
         group = parallel_state.get_data_parallel_group()
         use_r3 = self.train_config.use_r3
         mbs = self.micro_batches(samples, advantages, with_routes=True)
+        forwards = self._with_fillers(mbs, with_routes=True)
         ages = self._sample_ages(samples, trainer_version)
         num_tokens, num_seqs = global_loss_denominators([mb.loss_mask for mb in mbs], group)
         if num_tokens == 0:
@@ -219,14 +386,16 @@ class PolicyTrainer:
                     f"policy, but a sample is {oldest} version(s) old: use 'rollout'"
                 )
 
-        live = self._no_grad_log_probs(mbs, replay=False)
+        live = self._no_grad_log_probs(forwards, replay=False)[: len(mbs)]
         needs_old = (
             recomputed or objective.tis_cap is not None or objective.icepop_range is not None
         )
+        # Identical on every rank of an expert group (which runs the same forwards): a DP
+        # size > 1 makes it True everywhere, a DP size of 1 means one set of micro-batches.
         global_q = objective.name in SAT_STALENESS and (group_size(group) > 1 or len(mbs) > 1)
         trained_routing = live
         if use_r3 and (needs_old or global_q):
-            trained_routing = self._no_grad_log_probs(mbs, replay=True)
+            trained_routing = self._no_grad_log_probs(forwards, replay=True)[: len(mbs)]
         old = [lp if needs_old else None for lp, _ in trained_routing]
         quantile = None
         if global_q:
@@ -250,14 +419,13 @@ class PolicyTrainer:
         self.model.train()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        for i, mb in enumerate(mbs):
-            replay = (
-                replay_routing(self.model, mb.routing_targets())
-                if use_r3
-                else contextlib.nullcontext()
-            )
+        for i, mb in enumerate(forwards):
+            replay = self._replayed(mb, training=True) if use_r3 else contextlib.nullcontext()
             with replay, capture_routing(self.model) as used:
                 log_probs = forward_log_probs(self.model, mb)
+                if i >= len(mbs):  # filler: keeps the all-to-alls of the backward in step
+                    (log_probs.sum() * 0.0).backward()
+                    continue
                 loss, mb_metrics = policy_loss(
                     log_probs,
                     mb.rollout_log_probs,
@@ -273,9 +441,9 @@ class PolicyTrainer:
                 (loss * scale).backward()
             mb_metrics["loss"] = loss.detach()  # this micro-batch's share of the global loss
             if use_r3:
-                mb_metrics["topk_match_r3"] = routing_agreement(used, mb)["topk_match"]
+                mb_metrics["topk_match_r3"] = self._topk_agreement(used, mb)
             acc.add(mb_metrics)
-        self.model.finish_grad_sync()
+        self._finish_grads()
         update_ok, grad_norm, _ = self.optimizer.step()
         if not update_ok:
             raise RuntimeError("optimizer step was skipped (non-finite gradients)")
@@ -296,35 +464,35 @@ class PolicyTrainer:
     @torch.no_grad()
     def _no_grad_log_probs(
         self, mbs: list[MicroBatch], replay: bool
-    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per micro-batch: log-probs [B, S] of a no-grad forward with the current weights, and
-        the fraction of response tokens whose top-k experts equal the rollout engine's.
+    ) -> list[tuple[torch.Tensor, float]]:
+        """Per micro-batch: log-probs [B, S] of a no-grad forward with the current weights
+        (the full sequence on every TP rank), and the fraction of (MoE layer, response token)
+        pairs whose top-k experts equal the rollout engine's (``_topk_agreement``; a collective
+        over the TP group under sequence parallelism).
 
         Args:
-            mbs: micro-batches with routes.
+            mbs: micro-batches with routes (fillers included: every rank of an expert group
+                must pass as many).
             replay: replay the rollout engine's experts (R3) or route live.
         """
         self.model.eval()
         out = []
         for mb in mbs:
-            ctx = (
-                replay_routing(self.model, mb.routing_targets())
-                if replay
-                else contextlib.nullcontext()
-            )
+            ctx = self._replayed(mb, training=False) if replay else contextlib.nullcontext()
             with ctx, capture_routing(self.model) as used:
                 log_probs = forward_log_probs(self.model, mb)
-            out.append((log_probs, routing_agreement(used, mb)["topk_match"]))
+            out.append((log_probs, self._topk_agreement(used, mb)))
         return out
 
     def sft_step(self, samples: Sequence[Sample]) -> dict[str, float]:
         """One supervised step: mean negative log-likelihood of the response tokens (live
-        routing), over the global batch (a collective over the data-parallel group, like
-        ``rl_step``). Returns ``{"loss", "grad_norm"}``, both global."""
+        routing), over the global batch (a collective over all trainer ranks, with the same
+        sample placement as ``rl_step``). Returns ``{"loss", "grad_norm"}``, both global."""
         from megatron.core import parallel_state
 
         group = parallel_state.get_data_parallel_group()
         mbs = self.micro_batches(samples, torch.zeros(len(samples)), with_routes=False)
+        forwards = self._with_fillers(mbs, with_routes=False)
         num_tokens, _ = global_loss_denominators([mb.loss_mask for mb in mbs], group)
         if num_tokens == 0:
             raise ValueError("the global batch has no response tokens to train on")
@@ -333,22 +501,35 @@ class PolicyTrainer:
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         acc = MetricAccumulator()
-        for mb in mbs:
+        for i, mb in enumerate(forwards):
             log_probs = forward_log_probs(self.model, mb)
+            if i >= len(mbs):  # filler (see rl_step)
+                (log_probs.sum() * 0.0).backward()
+                continue
             loss = -(log_probs * mb.loss_mask).sum() / num_tokens
             (loss * scale).backward()
             acc.add({"loss": loss.detach()})
-        self.model.finish_grad_sync()
+        self._finish_grads()
         _, grad_norm, _ = self.optimizer.step()
         return {"loss": acc.reduce(group)["loss"], "grad_norm": float(grad_norm)}
 
     # -- weights -------------------------------------------------------------------------
     def hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The full model as ``(hf_name, tensor)`` pairs (training dtype), for weight sync."""
+        """The full model as ``(hf_name, tensor)`` pairs (training dtype), for weight sync.
+
+        A collective under TP / EP: the export all-gathers TP shards and the experts of every
+        EP rank as it goes, so EVERY trainer rank must iterate the generator to the end, in
+        step (``weight_sync.megatron_push.push_megatron_weights`` does this for weight sync:
+        all ranks walk it, one pushes). Tensors may alias the parameters (TP = EP = 1): clone
+        them to keep them past the next step.
+        """
         return export_hf_tensors(self.model, self.hf_config)
 
     def save_hf(self, out_dir: str | Path, tokenizer_dir: str | Path | None = None) -> Path:
-        """Write the model as an HF checkpoint (overwriting ``out_dir``'s model files)."""
+        """Write the model as an HF checkpoint (overwriting ``out_dir``'s model files).
+
+        A collective: every trainer rank must call it (the export gathers shards over the
+        TP / EP groups; global rank 0 writes the files)."""
         return save_model_as_hf(
             self.model, self.hf_config, out_dir, tokenizer_dir=tokenizer_dir, overwrite=True
         )
