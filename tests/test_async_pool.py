@@ -10,9 +10,10 @@ import time
 import pytest
 
 from megatron_sat.rollout.async_pool import AsyncPoolConfig, AsyncRolloutPool
-from megatron_sat.rollout.client import GenerateOutput, SamplingParams
+from megatron_sat.rollout.client import GenerateOutput, SamplingParams, SGLangClient
 from megatron_sat.rollout.datasets import PromptRecord
 from megatron_sat.rollout.embedded.launch import EmbeddedServer
+from megatron_sat.rollout.fleet import RolloutFleet, sync_servers
 from megatron_sat.rollout.types import staleness
 from megatron_sat.weight_sync.broadcast import WeightUpdater
 
@@ -157,6 +158,11 @@ def test_dead_server_loses_and_duplicates_nothing(tiny_checkpoint):
         pool.stop()
         assert pool.stats.dead_servers == [b.url]
         assert pool.stats.samples_per_server[a.url] > 12 * 8 / 2
+        # Per server index: the dead server's one failed request, and the same sample counts.
+        counters = pool.meter.snapshot().servers
+        assert (counters[0].failures, counters[1].failures) == (0, 1)
+        assert counters[0].samples == pool.stats.samples_per_server[a.url]
+        assert counters[1].samples == pool.stats.samples_per_server[b.url]
         groups = [g for g, _ in seen]
         assert sorted(groups) == sorted(list(range(48)) * 2)  # every group, each sample once
         assert len({i for _, i in seen}) == len(seen)
@@ -164,3 +170,129 @@ def test_dead_server_loses_and_duplicates_nothing(tiny_checkpoint):
             updater.close()
         except Exception:
             pass  # the dead server cannot destroy its side of the group
+
+
+class ProbeClient(SGLangClient):
+    """A client that records its server's weight_version at its first /generate and counts
+    its /generate calls; with ``kill_on_call`` = n, its server is killed as call n arrives
+    (the server dies with that request in flight)."""
+
+    def __init__(self, server, kill_on_call=None):
+        # Short retries so that a dead server is detected quickly.
+        super().__init__(server.url, timeout_s=120, max_retries=1, retry_backoff_s=0.1)
+        self.server, self.kill_on_call = server, kill_on_call
+        self.calls = 0
+        self.version_at_first_generate = None
+
+    def generate(self, *args, **kwargs):
+        self.calls += 1  # one pool worker per client: no concurrent calls
+        if self.calls == 1:
+            self.version_at_first_generate = self.get_weight_version()
+        if self.calls == self.kill_on_call:
+            self.server.process.kill()
+            self.server.process.wait()
+        return super().generate(*args, **kwargs)
+
+
+def _greedy_logprobs(url):
+    client = SGLangClient(url)
+    out = client.generate([[10, 11, 12]], SamplingParams(temperature=0.0, max_new_tokens=4))
+    client.close()
+    return out[0].output_token_logprobs
+
+
+@pytest.mark.parametrize(("mode", "lag"), [("fixed_lag", 1), ("bounded", 3)])
+def test_dead_embedded_servers_are_restarted_and_resynced_before_they_serve(
+    tiny_checkpoint, mode, lag
+):
+    """Two embedded servers. Server 1 dies with a request in flight (its pool
+    notices); later server 0 dies between two steps (in fixed-lag mode the pool is idle then,
+    so only the fleet's health probe can notice). Each is restarted at the next push, holds the
+    pushed weights and version before its first /generate, then serves; every sample is
+    delivered exactly once. Fixed lag: every batch keeps the exact lag, which it could not if a
+    restarted server served its checkpoint's weights. Bounded (lag 3): the servers run ahead
+    while the restarts happen and no batch exceeds the bound. (That the pools get a restarted
+    client only after its push is pinned deterministically in test_rollout_resilience.py.)"""
+    from safetensors.torch import load_file
+
+    steps = 10
+    # Trainer weights that differ from the checkpoint's, so a re-sync is visible in the logits.
+    norm = 1.5 * load_file(tiny_checkpoint / "model.safetensors")["model.norm.weight"]
+
+    def weights():
+        return [("model.norm.weight", norm)]
+
+    made = []  # (slot, client) in creation order
+
+    def factory(server):
+        slot = server.config.random_seed - 1
+        first_of_slot1 = slot == 1 and not any(s == 1 for s, _ in made)
+        client = ProbeClient(server, kill_on_call=3 if first_of_slot1 else None)
+        made.append((slot, client))
+        return client
+
+    fleet = RolloutFleet.embedded(
+        str(tiny_checkpoint),
+        2,
+        server_options=lambda i: {"random_seed": i + 1},
+        client_factory=factory,
+        updater_options={"timeout_s": 60},
+    )
+    with fleet:
+        checkpoint_logprobs = _greedy_logprobs(fleet.servers[1].url)
+        fleet.push(weights, 0)
+        synced_logprobs = _greedy_logprobs(fleet.servers[1].url)
+        assert max(abs(x - y) for x, y in zip(checkpoint_logprobs, synced_logprobs)) > 1e-3
+        pool = AsyncRolloutPool(
+            fleet.clients,
+            CharTokenizer(),
+            lambda t, label: 0.0,
+            records(),
+            AsyncPoolConfig(mode=mode, lag=lag, prompts_per_batch=4, group_size=2),
+            SamplingParams(max_new_tokens=3),
+        )
+        pool.start()
+        ages, seen, reports = [], [], []
+        old_slot0 = fleet.clients[0]
+        for step in range(steps):
+            batch = pool.get_batch(step, timeout_s=120)
+            ages.append(sorted({staleness(s, step) for s in batch}))
+            seen += [(s.group_index, s.index) for s in batch]
+            pool.wait_before_update(step + 1, timeout_s=120)
+            restarted_at = [i for i, r in enumerate(reports) if r.restarted == (1,)]
+            if restarted_at and step == restarted_at[0] + 2:
+                fleet.servers[0].process.kill()
+                fleet.servers[0].process.wait()
+                old_calls = old_slot0.calls
+            reports.append(sync_servers(fleet, [pool], weights, step + 1))
+            pool.set_version(step + 1)
+        pool.stop()
+        final_logprobs = [_greedy_logprobs(s.url) for s in fleet.servers]
+
+    restarts = [(step + 1, r) for step, r in enumerate(reports) if r.restarted]
+    assert [r.restarted for _, r in restarts] == [(1,), (0,)], reports
+    assert fleet.restarts == [1, 1]
+    (v1, r1), (v0, r0) = restarts
+    assert r1.found_dead == (1,) and r0.found_dead == (0,) and r0.down == ()
+    assert pool.stats.dead_servers[:1] == [made[1][1].base_url]  # the pool noticed server 1
+    assert pool.stats.reissued >= 1
+    assert v0 < steps, "server 0 must be killed and restarted before the run ends"
+    new_clients = {slot: c for slot, c in made[2:]}
+    assert sorted(new_clients) == [0, 1]
+    for slot, version in ((1, v1), (0, v0)):
+        client = new_clients[slot]
+        # Synced before it served, then it served: its samples reached the trainer.
+        assert client.version_at_first_generate == str(version)
+        assert client.calls >= 1
+        assert pool.stats.samples_per_server[client.base_url] >= 1
+    for logprobs in final_logprobs:  # both restarted servers hold the trainer's weights
+        assert max(abs(x - y) for x, y in zip(logprobs, synced_logprobs)) <= 1e-5
+    if mode == "fixed_lag":
+        assert old_slot0.calls == old_calls  # the idle worker of the dead server 0 retired
+        assert ages == [[min(step, lag)] for step in range(steps)]
+    else:  # a request in flight to the dead server 0 fails at most once, then its worker retires
+        assert old_slot0.calls <= old_calls + 1
+        assert max(max(a) for a in ages) <= lag
+    groups = [g for g, _ in seen]
+    assert sorted(groups) == sorted(list(range(steps * 4)) * 2)  # each sample exactly once
+    assert len({i for _, i in seen}) == len(seen)

@@ -16,8 +16,21 @@ age (trainer version minus the oldest version that produced one of its tokens, s
   produced it) or restarted from the prompt (``on_update``).
 
 Resilience: a request whose server fails (connection error, timeout, HTTP error) is re-issued on
-another live server; the failed server is marked dead and reported. A group is delivered once,
-when all its samples are complete.
+another live server; the failed server is marked dead and reported (``stats.dead_servers``,
+``down_servers()``). A group is delivered once, when all its samples are complete. Every job is
+owned by exactly one worker between leaving the queue and being delivered or re-queued, which
+is what makes delivery exactly-once across failures and restarts. The pool does not restart
+servers itself: the owner of the servers (``rollout.fleet.RolloutFleet``) restarts a dead
+embedded server, pushes it the current weights and version, and only then hands the fresh
+client to ``replace_server``, which starts the slot's new worker; until then nothing is sent to
+that slot. Each slot's worker carries a generation number, so a worker left over from the old
+server (idle, or with a request in flight that then fails) retires without touching the new one.
+When no live server remains, ``get_batch`` and ``wait_before_update`` raise
+:class:`~megatron_sat.rollout.pool.NoLiveServer` with every unfinished job still queued; they can
+be called again after ``replace_server``.
+
+Per-server request accounting (utilisation, samples and tokens per server index) goes to
+``meter`` (:class:`~megatron_sat.rollout.meter.ServerMeter`).
 """
 
 from __future__ import annotations
@@ -29,7 +42,8 @@ from dataclasses import dataclass, field
 
 from megatron_sat.rollout.client import GenerateOutput, SamplingParams, SGLangClient, SGLangError
 from megatron_sat.rollout.datasets import PromptRecord
-from megatron_sat.rollout.pool import RewardFn, parse_weight_version
+from megatron_sat.rollout.meter import ServerMeter
+from megatron_sat.rollout.pool import NoLiveServer, RewardFn, parse_weight_version
 from megatron_sat.rollout.types import Sample
 
 MODES = ("fixed_lag", "bounded")
@@ -82,13 +96,23 @@ class _Job:
 
 @dataclass
 class PoolStats:
-    """Counters since start: re-issued requests, resumed/restarted requests, dead servers,
-    samples generated per server."""
+    """Counters since start.
+
+    Attributes:
+        reissued: samples re-queued for another server after their server failed.
+        resumed: requests aborted by a weight push and resumed from their partial output.
+        restarted: requests aborted by a weight push and restarted from the prompt.
+        dead_servers: URL of each server marked dead, in the order they were found.
+        replaced: slots revived by ``replace_server``.
+        samples_per_server: finished samples per server URL (a restarted server has a new URL;
+            per-index counters are in the pool's ``meter``).
+    """
 
     reissued: int = 0
     resumed: int = 0
     restarted: int = 0
     dead_servers: list[str] = field(default_factory=list)
+    replaced: int = 0
     samples_per_server: dict[str, int] = field(default_factory=dict)
 
 
@@ -104,6 +128,11 @@ class AsyncRolloutPool:
         sampling: sampling parameters of every request.
         routing: routing spec for R3 payloads, or None.
         max_attempts: attempts of one request over all servers before the pool fails.
+        meter: per-server request accounting, shared with other pools over the same servers;
+            default a new one.
+
+    Raises:
+        ValueError: without clients, or for a meter of another server count.
     """
 
     def __init__(
@@ -117,7 +146,13 @@ class AsyncRolloutPool:
         *,
         routing=None,
         max_attempts: int = 5,
+        meter: ServerMeter | None = None,
     ) -> None:
+        if not clients:
+            raise ValueError("the rollout pool needs at least one server")
+        self.meter = meter or ServerMeter(len(clients))
+        if self.meter.num_servers != len(clients):
+            raise ValueError(f"meter of {self.meter.num_servers} servers for {len(clients)}")
         self.clients = list(clients)
         self.tokenizer = tokenizer
         self.reward_fn = reward_fn
@@ -136,31 +171,87 @@ class AsyncRolloutPool:
         self._next_index = 0
         self._error: BaseException | None = None
         self._stopped = False
+        self._started = False
         self._alive = set(range(len(self.clients)))
-        self._threads = [
-            threading.Thread(target=self._worker, args=(i,), name=f"rollout{i}", daemon=True)
-            for i in range(len(self.clients))
-        ]
+        # A slot's worker serves while its generation is current (see the module docstring).
+        self._generation = [0] * len(self.clients)
+        self._threads: list[threading.Thread] = []
 
     # -- trainer side ------------------------------------------------------------------------
     def start(self) -> None:
-        """Admit what the current version allows and start one worker per server."""
+        """Admit what the current version allows and start one worker per live server.
+
+        Raises:
+            RuntimeError: when called twice.
+        """
         with self._cond:
+            if self._started:
+                raise RuntimeError("AsyncRolloutPool.start() called twice")
+            self._started = True
             self._admit()
-        for thread in self._threads:
-            thread.start()
+            for i in sorted(self._alive):
+                self._spawn_worker(i)
+
+    def down_servers(self) -> set[int]:
+        """Indices of the server slots marked dead and not replaced since."""
+        with self._cond:
+            return set(range(len(self.clients))) - self._alive
+
+    def mark_dead(self, index: int) -> None:
+        """Send server ``index`` nothing more (e.g. its owner found it dead); reported in
+        ``stats.dead_servers``. A request already in flight to it is re-issued elsewhere if it
+        fails, delivered if it succeeds. A no-op for a slot already dead."""
+        with self._cond:
+            if index in self._alive:
+                self._alive.discard(index)
+                self._generation[index] += 1  # its idle worker retires
+                self.stats.dead_servers.append(self.clients[index].base_url)
+            self._cond.notify_all()
+
+    def replace_server(self, index: int, client: SGLangClient) -> None:
+        """Serve slot ``index`` from ``client`` from now on, with a new worker.
+
+        The caller must have pushed the weights and weight_version the pool currently
+        generates with to the new server first: its worker takes queued work as soon as this
+        returns. The slot's previous worker, if any, retires (see the module docstring).
+
+        Raises:
+            IndexError: for an index outside the pool.
+            RuntimeError: after ``stop()``.
+        """
+        if not 0 <= index < len(self.clients):
+            raise IndexError(f"server index {index} outside 0..{len(self.clients) - 1}")
+        with self._cond:
+            if self._stopped:
+                raise RuntimeError("replace_server after stop()")
+            self._generation[index] += 1
+            self.clients[index] = client
+            self._alive.add(index)
+            self.stats.replaced += 1
+            self.stats.samples_per_server.setdefault(client.base_url, 0)
+            if self._started:
+                self._spawn_worker(index)
+            self._cond.notify_all()
 
     def get_batch(self, batch: int, timeout_s: float | None = None) -> list[Sample]:
         """Block until batch ``batch`` is complete; its samples, groups contiguous in order.
 
         Raises:
+            NoLiveServer: when every server is dead before the batch completed (its unfinished
+                samples stay queued: call again after ``replace_server``).
             RuntimeError: when the pool failed (the cause chained) or the wait timed out.
         """
+
+        def complete() -> bool:
+            return self._pending.get(batch) == 0
+
         with self._cond:
             ok = self._cond.wait_for(
-                lambda: self._error is not None or self._pending.get(batch) == 0, timeout_s
+                lambda: self._error is not None or complete() or not self._alive, timeout_s
             )
             self._raise_if_failed()
+            if not complete() and not self._alive:
+                raise NoLiveServer(self._no_server_message(f"batch {batch}"))
             if not ok:
                 raise RuntimeError(f"batch {batch} not complete after {timeout_s} s")
             groups = self._done.pop(batch)
@@ -169,19 +260,27 @@ class AsyncRolloutPool:
 
     def wait_before_update(self, new_version: int, timeout_s: float | None = None) -> None:
         """In fixed-lag mode, block until every batch generated by version ``new_version - 1``
-        has finished (so no batch straddles two versions); a no-op in bounded mode."""
+        has finished (so no batch straddles two versions); a no-op in bounded mode.
+
+        Raises:
+            NoLiveServer: when every server is dead first (call again after
+                ``replace_server``).
+            RuntimeError: when the pool failed (the cause chained) or the wait timed out.
+        """
         if self.config.mode != "fixed_lag":
             return
         last = new_version - 1 + self.config.lag
+
+        def generated() -> bool:
+            return all(self._pending.get(b, 0) == 0 for b in range(last + 1))
+
         with self._cond:
             ok = self._cond.wait_for(
-                lambda: (
-                    self._error is not None
-                    or all(self._pending.get(b, 0) == 0 for b in range(last + 1))
-                ),
-                timeout_s,
+                lambda: self._error is not None or generated() or not self._alive, timeout_s
             )
             self._raise_if_failed()
+            if not generated() and not self._alive:
+                raise NoLiveServer(self._no_server_message(f"batches up to {last}"))
             if not ok:
                 raise RuntimeError(f"batches up to {last} not generated after {timeout_s} s")
 
@@ -197,13 +296,32 @@ class AsyncRolloutPool:
         with self._cond:
             self._stopped = True
             self._cond.notify_all()
-        for thread in self._threads:
+            threads = list(self._threads)
+        for thread in threads:
             thread.join(timeout=60)
 
     # -- internals ---------------------------------------------------------------------------
     def _raise_if_failed(self) -> None:
         if self._error is not None:
             raise RuntimeError("the rollout pool failed") from self._error
+
+    def _no_server_message(self, what: str) -> str:
+        return (
+            f"{what} incomplete and every rollout server is dead "
+            f"({self.stats.dead_servers}); {len(self._queue)} samples stay queued"
+        )
+
+    def _spawn_worker(self, server: int) -> None:
+        """Start the worker of slot ``server`` at its current generation (caller holds the
+        lock)."""
+        thread = threading.Thread(
+            target=self._worker,
+            args=(server, self._generation[server]),
+            name=f"rollout{server}.{self._generation[server]}",
+            daemon=True,
+        )
+        self._threads.append(thread)
+        thread.start()
 
     def _admit(self) -> None:
         """Queue every batch ``b`` with ``b - lag <= version`` (caller holds the lock)."""
@@ -222,17 +340,23 @@ class AsyncRolloutPool:
                     self._queue.append(_Job(b, group, slot, record, ids))
         self._cond.notify_all()
 
-    def _worker(self, server: int) -> None:
-        client = self.clients[server]
+    def _worker(self, server: int, generation: int) -> None:
+        def retired() -> bool:
+            return self._generation[server] != generation
+
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._stopped or self._queue or self._error)
-                if self._stopped or self._error is not None:
+                self._cond.wait_for(
+                    lambda: self._stopped or self._queue or self._error is not None or retired()
+                )
+                if self._stopped or self._error is not None or retired():
                     return
+                client = self.clients[server]
                 # A server's share of the queue, at most one batch, in one batched request.
                 share = max(1, len(self._queue) // max(1, len(self._alive)))
                 share = min(share, self.config.prompts_per_batch * self.config.group_size)
                 jobs = [self._queue.popleft() for _ in range(min(share, len(self._queue)))]
+            self.meter.begin(server)
             try:
                 outputs = client.generate(
                     [j.prompt_ids + j.response_ids for j in jobs],
@@ -240,9 +364,28 @@ class AsyncRolloutPool:
                     routing=self.routing,
                 )
             except (SGLangError, OSError) as e:
-                self._server_failed(server, jobs, e)
+                self.meter.end(server, failed=True)
+                self._server_failed(server, generation, client, jobs, e)
                 return
-            self._finish(server, jobs, outputs)
+            except BaseException as e:
+                self.meter.end(server, failed=True)
+                self._fail(jobs, e)
+                return
+            try:
+                self._finish(server, client, jobs, outputs)
+            except BaseException as e:
+                # E.g. a server without an integer weight_version: fail the run loudly rather
+                # than let this thread die with its jobs (the trainer would wait forever).
+                self._fail([], e)
+                return
+
+    def _fail(self, jobs: list[_Job], error: BaseException) -> None:
+        """Fail the pool with ``error`` (its jobs back in the queue, for the record)."""
+        with self._cond:
+            self._queue.extendleft(reversed(jobs))
+            if self._error is None:
+                self._error = error
+            self._cond.notify_all()
 
     def _sampling_for(self, jobs: list[_Job]) -> SamplingParams:
         done = max(len(j.response_ids) for j in jobs)
@@ -252,43 +395,64 @@ class AsyncRolloutPool:
         left = max(1, self.sampling.max_new_tokens - done)
         return SamplingParams(**{**self.sampling.__dict__, "max_new_tokens": left})
 
-    def _server_failed(self, server: int, jobs: list[_Job], error: Exception) -> None:
+    def _server_failed(
+        self,
+        server: int,
+        generation: int,
+        client: SGLangClient,
+        jobs: list[_Job],
+        error: Exception,
+    ) -> None:
         with self._cond:
-            self._alive.discard(server)
-            self.stats.dead_servers.append(self.clients[server].base_url)
+            # A retired worker's failure is the old server's: the slot may already serve a
+            # new one, which must stay alive. Its jobs are re-queued either way.
+            if self._generation[server] == generation and server in self._alive:
+                self._alive.discard(server)
+                self.stats.dead_servers.append(client.base_url)
             for job in reversed(jobs):
                 job.attempts += 1
-                if job.attempts >= self.max_attempts or not self._alive:
+                if job.attempts >= self.max_attempts:
                     self._error = RuntimeError(
                         f"sample of group {job.group} failed {job.attempts} times; last server "
-                        f"{self.clients[server].base_url}: {error}; live servers: "
+                        f"{client.base_url}: {error}; live servers: "
                         f"{[self.clients[i].base_url for i in sorted(self._alive)]}"
                     )
                 self._queue.appendleft(job)
                 self.stats.reissued += 1
             self._cond.notify_all()
 
-    def _finish(self, server: int, jobs: list[_Job], outputs: list[GenerateOutput]) -> None:
-        url = self.clients[server].base_url
+    def _finish(
+        self, server: int, client: SGLangClient, jobs: list[_Job], outputs: list[GenerateOutput]
+    ) -> None:
+        url = client.base_url
         finished: list[tuple[_Job, GenerateOutput]] = []
         requeue: list[_Job] = []
-        for job, out in zip(jobs, outputs, strict=True):
-            version = parse_weight_version(out.weight_version, url)
-            if out.finish_reason == "abort":
-                if self.config.on_update == "resume":
-                    job.response_ids += out.output_ids
-                    job.log_probs += out.output_token_logprobs
-                    job.versions += [version] * len(out.output_ids)
-                    self.stats.resumed += 1
-                else:
-                    job.response_ids, job.log_probs, job.versions = [], [], []
-                    self.stats.restarted += 1
-                requeue.append(job)
-                continue
-            job.response_ids += out.output_ids
-            job.log_probs += out.output_token_logprobs
-            job.versions += [version] * len(out.output_ids)
-            finished.append((job, out))
+        try:
+            for job, out in zip(jobs, outputs, strict=True):
+                version = parse_weight_version(out.weight_version, url)
+                if out.finish_reason == "abort":
+                    if self.config.on_update == "resume":
+                        job.response_ids += out.output_ids
+                        job.log_probs += out.output_token_logprobs
+                        job.versions += [version] * len(out.output_ids)
+                        self.stats.resumed += 1
+                    else:
+                        job.response_ids, job.log_probs, job.versions = [], [], []
+                        self.stats.restarted += 1
+                    requeue.append(job)
+                    continue
+                job.response_ids += out.output_ids
+                job.log_probs += out.output_token_logprobs
+                job.versions += [version] * len(out.output_ids)
+                finished.append((job, out))
+        finally:
+            # Before the samples are published, so a snapshot taken once the trainer has them
+            # includes this request's busy time.
+            self.meter.end(
+                server,
+                samples=len(finished),
+                tokens=sum(len(out.output_ids) for out in outputs),
+            )
         samples = [(job, self._to_sample(job, out)) for job, out in finished]
         with self._cond:
             self._queue.extendleft(reversed(requeue))
@@ -297,7 +461,8 @@ class AsyncRolloutPool:
                 self._next_index += 1
                 self._done[job.batch][job.group][job.slot] = sample
                 self._pending[job.batch] -= 1
-            self.stats.samples_per_server[url] += len(samples)
+            per_url = self.stats.samples_per_server
+            per_url[url] = per_url.get(url, 0) + len(samples)
             self._cond.notify_all()
 
     def _to_sample(self, job: _Job, out: GenerateOutput) -> Sample:

@@ -4,6 +4,14 @@ Each sample carries the policy version that produced its tokens, taken from the 
 ``meta_info.weight_version`` (which the trainer sets on every weight sync), never from a local
 counter. This version generates synchronously, one batch per trainer step, with prompts spread
 over the servers in parallel; the configured lag comes from how often the trainer syncs.
+
+Resilience: a server whose request fails (connection error, timeout, HTTP error) is marked dead
+and reported (``stats``, ``down_servers``), and its share of the call is re-issued on the live
+servers, so one call still returns every sample exactly once. The pool never sends a dead
+server anything again until its slot is revived with ``replace_server`` (the owner of the
+servers restarts and re-syncs it first, see ``rollout.fleet``). When no live server remains the
+call raises :class:`NoLiveServer` and returns nothing: the caller retries the same prompts once
+a server is back.
 """
 
 from __future__ import annotations
@@ -11,12 +19,40 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 
-from megatron_sat.rollout.client import GenerateOutput, RoutingSpec, SamplingParams, SGLangClient
+from megatron_sat.rollout.client import (
+    GenerateOutput,
+    RoutingSpec,
+    SamplingParams,
+    SGLangClient,
+    SGLangError,
+)
 from megatron_sat.rollout.datasets import PromptRecord
+from megatron_sat.rollout.meter import ServerMeter
 from megatron_sat.rollout.types import Sample
 
 RewardFn = Callable[[str, str], float]
+
+
+class NoLiveServer(SGLangError):
+    """Every server slot of a pool is dead; the work that needed one is kept (asynchronous
+    pool) or was not returned (synchronous pool) and can be retried after ``replace_server``."""
+
+
+@dataclass
+class FailureStats:
+    """Failures since the pool was built.
+
+    Attributes:
+        reissued: samples re-issued on another server after their server failed.
+        dead_servers: URL of each server marked dead, in the order they were found.
+        replaced: slots revived by ``replace_server``.
+    """
+
+    reissued: int = 0
+    dead_servers: list[str] = field(default_factory=list)
+    replaced: int = 0
 
 
 def parse_weight_version(version: str, server: str) -> int:
@@ -45,6 +81,11 @@ class RolloutPool:
         routing: shape of the served model's routing; when given, routed experts are requested
             and attached to every sample (R3).
         stop_token_ids: stop tokens besides the model's eos.
+        meter: per-server request accounting, shared with other pools over the same servers;
+            default a new one.
+
+    Raises:
+        ValueError: without clients, or for a meter of another server count.
     """
 
     def __init__(
@@ -55,10 +96,16 @@ class RolloutPool:
         *,
         routing: RoutingSpec | None,
         stop_token_ids: Sequence[int] = (),
+        meter: ServerMeter | None = None,
     ) -> None:
         if not clients:
             raise ValueError("the rollout pool needs at least one server")
+        self.meter = meter or ServerMeter(len(clients))
+        if self.meter.num_servers != len(clients):
+            raise ValueError(f"meter of {self.meter.num_servers} servers for {len(clients)}")
         self.clients = list(clients)
+        self.stats = FailureStats()
+        self._alive = set(range(len(self.clients)))
         self.tokenizer = tokenizer
         self.reward_fn = reward_fn
         self.routing = routing
@@ -70,6 +117,32 @@ class RolloutPool:
     def close(self) -> None:
         """Stop the worker threads (the servers are not touched)."""
         self._executor.shutdown(wait=True)
+
+    def down_servers(self) -> set[int]:
+        """Indices of the server slots marked dead and not replaced since."""
+        return set(range(len(self.clients))) - self._alive
+
+    def mark_dead(self, index: int) -> None:
+        """Send server ``index`` nothing more (e.g. its owner found it dead); reported in
+        ``stats.dead_servers``. A no-op for a slot already dead."""
+        if index in self._alive:
+            self._alive.discard(index)
+            self.stats.dead_servers.append(self.clients[index].base_url)
+
+    def replace_server(self, index: int, client: SGLangClient) -> None:
+        """Serve slot ``index`` from ``client`` from the next call on.
+
+        The caller must have pushed the current weights and weight_version to the new server
+        first: the pool sends it requests as soon as this returns.
+
+        Raises:
+            IndexError: for an index outside the pool.
+        """
+        if not 0 <= index < len(self.clients):
+            raise IndexError(f"server index {index} outside 0..{len(self.clients) - 1}")
+        self.clients[index] = client
+        self._alive.add(index)
+        self.stats.replaced += 1
 
     def generate_groups(
         self,
@@ -84,8 +157,11 @@ class RolloutPool:
     ) -> list[Sample]:
         """``group_size`` scored samples per record, grouped contiguously in record order.
 
+        A server that fails is marked dead and its requests are re-issued on the live ones.
+
         Raises:
-            SGLangError: when a server fails (naming it); no partial batch is returned.
+            NoLiveServer: when every server is dead (naming each failure); nothing is returned
+                and no sample index or group id is used up, so the caller can retry.
             ValueError: for a non-integer weight version.
         """
         sampling = SamplingParams(
@@ -97,28 +173,55 @@ class RolloutPool:
         )
         prompts = [self.tokenizer.encode(r.prompt) for r in records]
         requests = [(g, ids) for g, ids in enumerate(prompts) for _ in range(group_size)]
-        shards = [requests[i :: len(self.clients)] for i in range(len(self.clients))]
         routing = self.routing if with_routing else None
 
-        def run(client: SGLangClient, shard):
-            if not shard:
-                return []
-            outputs = client.generate([ids for _, ids in shard], sampling, routing=routing)
-            return [
-                (g, ids, out, client.base_url) for (g, ids), out in zip(shard, outputs, strict=True)
-            ]
+        def run(server: int, client: SGLangClient, shard: list[int]):
+            self.meter.begin(server)
+            try:
+                outputs = client.generate(
+                    [requests[i][1] for i in shard], sampling, routing=routing
+                )
+            except BaseException:
+                self.meter.end(server, failed=True)
+                raise
+            self.meter.end(
+                server,
+                samples=sum(o.finish_reason != "abort" for o in outputs),
+                tokens=sum(len(o.output_ids) for o in outputs),
+            )
+            return outputs
 
-        results = [
-            item
-            for future in [
-                self._executor.submit(run, c, s) for c, s in zip(self.clients, shards, strict=True)
-            ]
-            for item in future.result()
-        ]
-        results.sort(key=lambda item: item[0])  # stable: groups contiguous, in record order
+        results: dict[int, tuple[GenerateOutput, str]] = {}
+        todo = list(range(len(requests)))
+        errors: list[str] = []
+        while todo:
+            alive = sorted(self._alive)
+            if not alive:
+                raise NoLiveServer(
+                    f"every rollout server is dead ({len(todo)} of {len(requests)} requests "
+                    "left); failures:\n" + "\n".join(errors)
+                )
+            shards = [(s, self.clients[s], todo[k :: len(alive)]) for k, s in enumerate(alive)]
+            shards = [shard for shard in shards if shard[2]]
+            futures = [self._executor.submit(run, *shard) for shard in shards]
+            todo = []
+            for (server, client, shard), future in zip(shards, futures, strict=True):
+                try:
+                    outputs = future.result()
+                except (SGLangError, OSError) as e:
+                    # Dead or timed out: stop using it and give its share to the others.
+                    errors.append(f"  {client.base_url}: {e}")
+                    self.mark_dead(server)
+                    self.stats.reissued += len(shard)
+                    todo += shard
+                    continue
+                for i, out in zip(shard, outputs, strict=True):
+                    results[i] = (out, client.base_url)
+            todo.sort()
         group_ids = [next(self._next_group) for _ in records]
         return [
-            self._to_sample(records[g], group_ids[g], ids, out, url) for g, ids, out, url in results
+            self._to_sample(records[g], group_ids[g], ids, *results[i])
+            for i, (g, ids) in enumerate(requests)
         ]
 
     def _to_sample(

@@ -10,11 +10,21 @@ global metrics it returns. Every rank holds the full weights, so rank 0 alone pu
 the servers (the HF export's collectives run over the TP/EP/PP groups, which hold one rank each
 at TP = EP = PP = 1, the only layout the trainer accepts). Writing the final checkpoint is a
 collective of all ranks. With one process nothing is scattered.
+
+Dead servers: the pools stop using a server whose request failed and re-issue its work; every
+weight push goes through ``rollout.fleet.sync_servers``, which restarts a dead embedded server,
+pushes it the current weights and version with the others, and only then gives its new client
+back to the pools (a server given by URL is reported and dropped). When every server is dead
+the pools raise ``NoLiveServer`` and the loop revives the servers the same way at once, with
+the trainer's current weights and version, then retries (in sync mode between two pushes of
+``update_weights_interval > 1``, and in fixed-lag mode while waiting to push, those weights
+are newer than the dead servers' ones: the samples record the version they really came from).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import random
@@ -41,13 +51,14 @@ from megatron_sat.rollout.async_pool import AsyncPoolConfig, AsyncRolloutPool
 from megatron_sat.rollout.client import RoutingSpec, SamplingParams, SGLangClient
 from megatron_sat.rollout.datasets import PromptRecord, load_prompt_dataset
 from megatron_sat.rollout.embedded.launch import EmbeddedServer
-from megatron_sat.rollout.pool import RolloutPool
+from megatron_sat.rollout.fleet import PushReport, RolloutFleet, sync_servers
+from megatron_sat.rollout.meter import ServerMeter, server_metrics
+from megatron_sat.rollout.pool import NoLiveServer, RolloutPool
 from megatron_sat.rollout.rewards import math_reward
 from megatron_sat.rollout.types import Sample, staleness
 from megatron_sat.training.evaluate import evaluate
 from megatron_sat.training.run_logger import RunLogger
 from megatron_sat.training.trainer import PolicyTrainer
-from megatron_sat.weight_sync.broadcast import WeightUpdater
 
 
 @contextlib.contextmanager
@@ -70,6 +81,26 @@ def rollout_clients(cfg: RunConfig) -> Iterator[list[SGLangClient]]:
             for i in range(cfg.rollout.num_embedded_servers)
         ]
         yield [SGLangClient(server.url) for server in servers]
+
+
+def rollout_fleet(cfg: RunConfig) -> RolloutFleet:
+    """The configured servers as a fleet (``rollout.fleet``): the SGLang servers of
+    ``rollout.server_urls`` (reported, never restarted, when they die), else
+    ``rollout.num_embedded_servers`` embedded CPU servers started here (restarted when they
+    die). Use it as a context manager: it stops the servers it started."""
+    options = sync_options(cfg, len(cfg.rollout.server_urls) or cfg.rollout.num_embedded_servers)
+    if cfg.rollout.server_urls:
+        return RolloutFleet.from_urls(cfg.rollout.server_urls, updater_options=options)
+    return RolloutFleet.embedded(
+        cfg.init_checkpoint,
+        cfg.rollout.num_embedded_servers,
+        server_options=lambda i: {
+            "random_seed": cfg.train.seed + i,
+            "enable_return_routed_experts": True,
+            "max_running_requests": cfg.rollout.prompts_per_step * cfg.rollout.group_size,
+        },
+        updater_options=options,
+    )
 
 
 def prompt_stream(records: list[PromptRecord], seed: int) -> Iterator[PromptRecord]:
@@ -203,24 +234,26 @@ def run_rl(cfg: RunConfig) -> dict:
     for _ in range((first_step - 1) * ro.prompts_per_step):  # the data position on resume
         next(prompts)
     t_start = time.time()
-    with rollout_clients(cfg) as clients, RunLogger(run_dir) as logger:
+    with rollout_fleet(cfg) as fleet, RunLogger(run_dir) as logger:
+        # One meter for both pools: a server is busy while either has a request on it.
+        meter = ServerMeter(len(fleet.clients))
         pool = RolloutPool(
-            clients,
+            fleet.clients,
             tokenizer,
             math_reward,
             routing=RoutingSpec(num_layers, top_k, num_experts),
             stop_token_ids=[tokenizer.eos_token_id],
+            meter=meter,
         )
-        updater = WeightUpdater(clients, **sync_options(cfg, len(clients)))
-        updater.connect()
+        pools: list[RolloutPool | AsyncRolloutPool] = [pool]
         version = 0 if state is None else state.weight_version
         # Start from identical weights on both sides, tagged with the trainer's version.
-        updater.update(trainer.hf_tensors(), weight_version=str(version))
+        fleet.push(trainer.hf_tensors, version)
         base_version = version  # the async pool counts batches from here
         async_pool = None
         if ro.mode != "sync":
             async_pool = AsyncRolloutPool(
-                clients,
+                fleet.clients,
                 tokenizer,
                 math_reward,
                 prompts,
@@ -239,15 +272,42 @@ def run_rl(cfg: RunConfig) -> dict:
                     stop_token_ids=(tokenizer.eos_token_id,),
                 ),
                 routing=RoutingSpec(num_layers, top_k, num_experts),
+                meter=meter,
             )
+            pools.append(async_pool)
+        restart_s = 0.0  # of the current step
+
+        def push() -> PushReport:
+            """The trainer's weights as ``version`` to every server, dead ones replaced."""
+            nonlocal restart_s
+            report = sync_servers(fleet, pools, trainer.hf_tensors, version)
+            restart_s += report.restart_s
+            if report.found_dead:
+                tqdm.write(
+                    f"rollout servers {list(report.found_dead)} died; restarted and re-synced "
+                    f"{list(report.restarted)}; without a server: {list(report.down)}"
+                )
+            return report
+
+        def revived(call):
+            """``call()``; when every server is dead, revive them (``push``) and call again.
+            Ends when nothing can be restarted: ``push`` then raises WeightSyncError."""
+            while True:
+                try:
+                    return call()
+                except NoLiveServer as e:
+                    tqdm.write(f"{e}; reviving the rollout servers")
+                    push()
 
         def run_eval() -> dict[str, float]:
-            return evaluate(
-                pool,
-                eval_records,
-                samples_per_prompt=ro.eval_samples_per_prompt,
-                temperature=ro.eval_temperature,
-                max_new_tokens=ro.max_new_tokens,
+            return revived(
+                lambda: evaluate(
+                    pool,
+                    eval_records,
+                    samples_per_prompt=ro.eval_samples_per_prompt,
+                    temperature=ro.eval_temperature,
+                    max_new_tokens=ro.max_new_tokens,
+                )
             )
 
         if state is None:
@@ -264,19 +324,24 @@ def run_rl(cfg: RunConfig) -> dict:
         )
         if async_pool is not None:
             async_pool.start()
+        snapshot = meter.snapshot()
         for step in progress:
             t0 = time.time()
+            restart_s = 0.0
             if async_pool is not None:
-                samples = async_pool.get_batch(step - first_step)
+                samples = revived(functools.partial(async_pool.get_batch, step - first_step))
             else:
                 records = [next(prompts) for _ in range(ro.prompts_per_step)]
-                samples = pool.generate_groups(
-                    records,
-                    ro.group_size,
-                    temperature=ro.temperature,
-                    top_p=ro.top_p,
-                    top_k=ro.top_k,
-                    max_new_tokens=ro.max_new_tokens,
+                samples = revived(
+                    functools.partial(
+                        pool.generate_groups,
+                        records,
+                        ro.group_size,
+                        temperature=ro.temperature,
+                        top_p=ro.top_p,
+                        top_k=ro.top_k,
+                        max_new_tokens=ro.max_new_tokens,
+                    )
                 )
             t_gen = time.time() - t0
             rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
@@ -287,26 +352,36 @@ def run_rl(cfg: RunConfig) -> dict:
             version += 1
             t_sync = 0.0
             if async_pool is not None:
-                async_pool.wait_before_update(version - base_version)
+                revived(functools.partial(async_pool.wait_before_update, version - base_version))
                 t1 = time.time()
-                updater.update(trainer.hf_tensors(), weight_version=str(version))
+                push()
                 t_sync = time.time() - t1
                 async_pool.set_version(version - base_version)
-                metrics.update(
-                    {
-                        "rollout/reissued": float(async_pool.stats.reissued),
-                        "rollout/dead_servers": float(len(async_pool.stats.dead_servers)),
-                    }
-                )
             elif version % ro.update_weights_interval == 0:
                 t1 = time.time()
-                updater.update(trainer.hf_tensors(), weight_version=str(version))
+                push()
                 t_sync = time.time() - t1
             metrics.update(
-                {"time/generate_s": t_gen, "time/sync_s": t_sync, "time/step_s": time.time() - t0}
+                {
+                    "time/generate_s": t_gen,
+                    "time/sync_s": t_sync,  # restarts and regrouping included
+                    "time/restart_s": restart_s,
+                    "time/step_s": time.time() - t0,
+                }
             )
             if step % cfg.train.eval_every == 0 or step == cfg.train.num_steps:
                 metrics.update(run_eval())
+            # Per server index, since the previous step's log (evaluation included).
+            now = meter.snapshot()
+            metrics.update(server_metrics(snapshot, now))
+            snapshot = now
+            metrics.update(
+                {
+                    "rollout/reissued": float(sum(p.stats.reissued for p in pools)),
+                    "rollout/dead_servers": float(len(fleet.down)),
+                    "rollout/server_restarts": float(sum(fleet.restarts)),
+                }
+            )
             logger.log(step, metrics)
             save_if_due(cfg, trainer, step, version=version, initial=initial)
             progress.set_postfix(
@@ -316,7 +391,6 @@ def run_rl(cfg: RunConfig) -> dict:
         final = {k: v for k, v in metrics.items() if k.startswith("eval/")}
         if async_pool is not None:
             async_pool.stop()
-        updater.close()
         pool.close()
         checkpoint = trainer.save_hf(run_dir / "checkpoint", tokenizer_dir=cfg.init_checkpoint)
         summary = make_summary(cfg, initial, final, run_dir, checkpoint, time.time() - t_start)

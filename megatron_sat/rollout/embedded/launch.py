@@ -48,6 +48,9 @@ class EmbeddedServer:
     /health does not answer in time, ``__enter__`` raises RuntimeError with the log's tail. On
     exit the process (only the one we started, by its handle) is terminated, then killed after
     10 s if it has not exited; the log is deleted unless the block raised.
+
+    ``restart()`` replaces a dead (or live) process by a fresh one at a new port: it serves the
+    checkpoint's weights under weight_version "default" until the trainer pushes weights.
     """
 
     host = "127.0.0.1"
@@ -96,7 +99,22 @@ class EmbeddedServer:
             cmd.append("--enable-return-routed-experts")
         return cmd
 
+    @property
+    def running(self) -> bool:
+        """Whether the subprocess was started and has not exited."""
+        return self.process is not None and self.process.poll() is None
+
     def __enter__(self) -> EmbeddedServer:
+        self.start()
+        return self
+
+    def start(self) -> None:
+        """Start the subprocess and wait until /health answers.
+
+        Raises:
+            RuntimeError: when the process exits first or /health does not answer within
+                ``startup_timeout_s`` (with the log's tail), or no free port could be bound.
+        """
         # The free port is found by binding port 0 and releasing it, so another process may
         # grab it first; that shows up as "address already in use" and we try a new port.
         for _attempt in range(3):
@@ -112,7 +130,7 @@ class EmbeddedServer:
             )
             try:
                 self._wait_healthy()
-                return self
+                return
             except RuntimeError:
                 if "address already in use" not in self.log_tail().lower():
                     self.stop()
@@ -120,6 +138,22 @@ class EmbeddedServer:
                     raise
                 self.stop()
         raise RuntimeError(f"embedded server could not bind a free port:\n{self.log_tail()}")
+
+    def restart(self) -> None:
+        """Stop the subprocess if it still runs, then start a fresh one (new port, so ``url``
+        changes; the log file continues, with a marker line).
+
+        Raises:
+            RuntimeError: as ``start``.
+        """
+        self.stop()
+        exit_code = None if self.process is None else self.process.returncode
+        if self._log.closed:  # a failed start closed it; keep one log per server slot
+            self._log = open(self.log_path, "ab")
+        marker = f"\n--- restarting (previous process exit code {exit_code}) ---\n"
+        self._log.write(marker.encode())
+        self._log.flush()
+        self.start()
 
     def _wait_healthy(self) -> None:
         deadline = time.monotonic() + self.config.startup_timeout_s
