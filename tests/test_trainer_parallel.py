@@ -292,9 +292,11 @@ def test_controls_differ_visibly(parallel_run, reference):
 
 @pytest.mark.slow
 def test_mismatched_parallel_state_is_refused(parallel_run):
-    # init_distributed keeps an initialised state; the trainer refuses one of other sizes
+    # init_distributed refuses to keep an initialised state of other sizes
     results, _ = parallel_run
-    assert "already initialised with (TP, EP, PP) = (2, 1, 1)" in results["refusal"]
+    refusal = results["refusal"]
+    assert "already initialised at ParallelConfig(tensor_model_parallel_size=2," in refusal
+    assert "expert_model_parallel_size=2" in refusal
 
 
 @pytest.mark.slow

@@ -1,7 +1,7 @@
 """Checkpoint conversion between Hugging Face and megatron-core distributed checkpoints.
 
 ``hf-to-mcore``: an HF checkpoint directory -> a megatron-core ``dist_checkpointing``
-checkpoint (``torch_dist``), saved from a model built at ``--tp/--ep/--pp``; the HF
+checkpoint (``torch_dist``), saved from a model built at ``--tp/--ep/--etp/--pp``; the HF
 ``config.json`` and tokenizer files travel with it (``hf_config.json``, ``tokenizer/``).
 ``mcore-to-hf``: such a checkpoint, loaded at ``--tp/--ep/--pp`` (any layout: dist_checkpointing
 reshards), -> sharded safetensors with ``model.safetensors.index.json``, ``config.json`` and the
@@ -62,31 +62,6 @@ def checkpoint_dtype(hf_config: dict[str, Any], override: str | None = None) -> 
     return _DTYPES[name]
 
 
-def init_layout(parallel: ParallelConfig) -> None:
-    """Initialise torch.distributed and megatron-core at ``parallel``.
-
-    Raises:
-        ValueError: when megatron-core is already initialised at another layout, or the world
-            size does not fit the layout.
-    """
-    from megatron.core import parallel_state as ps
-
-    if ps.model_parallel_is_initialized():
-        have = (
-            ps.get_tensor_model_parallel_world_size(),
-            ps.get_pipeline_model_parallel_world_size(),
-            ps.get_expert_model_parallel_world_size(),
-        )
-        want = (
-            parallel.tensor_model_parallel_size,
-            parallel.pipeline_model_parallel_size,
-            parallel.expert_model_parallel_size,
-        )
-        if have != want:
-            raise ValueError(f"megatron-core is initialised at TP/PP/EP={have}, not {want}")
-    init_distributed(parallel)
-
-
 def build_model(hf_config: dict[str, Any], parallel: ParallelConfig, dtype: torch.dtype):
     """This rank's ``GPTModel`` for ``hf_config`` at ``parallel`` (pipeline stage from
     megatron-core's parallel state), in eval mode."""
@@ -95,12 +70,7 @@ def build_model(hf_config: dict[str, Any], parallel: ParallelConfig, dtype: torc
     from megatron_sat.models import build_gpt_model, transformer_config_from_hf
 
     config = transformer_config_from_hf(
-        hf_config,
-        tensor_model_parallel_size=parallel.tensor_model_parallel_size,
-        expert_model_parallel_size=parallel.expert_model_parallel_size,
-        pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
-        params_dtype=dtype,
-        moe_enable_routing_replay=False,
+        hf_config, **parallel.sizes(), params_dtype=dtype, moe_enable_routing_replay=False
     )
     return build_gpt_model(
         hf_config,
@@ -180,7 +150,7 @@ def hf_to_mcore_checkpoint(
     """
     parallel = parallel or ParallelConfig()
     hf_config = read_hf_config(hf_dir)
-    init_layout(parallel)
+    init_distributed(parallel)
     out = Path(out_dir)
     _prepare_mcore_dir(out, overwrite)
     model = build_model(hf_config, parallel, checkpoint_dtype(hf_config, dtype))
@@ -233,7 +203,7 @@ def mcore_to_hf_checkpoint(
     """
     parallel = parallel or ParallelConfig()
     hf_config = read_checkpoint_hf_config(mcore_dir)
-    init_layout(parallel)
+    init_distributed(parallel)
     model = build_model(hf_config, parallel, checkpoint_dtype(hf_config, dtype))
     load_model_checkpoint(model, mcore_dir)
     tokenizer = Path(tokenizer_dir) if tokenizer_dir else Path(mcore_dir) / TOKENIZER_SUBDIR
@@ -271,6 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--out-dir", required=True, help="output directory")
         p.add_argument("--tp", type=int, default=1, help="tensor-parallel size of this run")
         p.add_argument("--ep", type=int, default=1, help="expert-parallel size of this run")
+        p.add_argument("--etp", type=int, default=1, help="expert tensor-parallel size")
         p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size of this run")
         p.add_argument("--dtype", choices=sorted(_DTYPES), help="default: config.json dtype")
         p.add_argument("--overwrite", action="store_true", help="replace an existing output")
@@ -294,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     tears it down again when it was not initialised before. Returns 0; errors raise.
     """
     args = build_parser().parse_args(argv)
-    parallel = ParallelConfig(args.tp, args.pp, args.ep)
+    parallel = ParallelConfig(args.tp, args.pp, args.ep, args.etp)
     owns_world = not dist.is_initialized()
     try:
         if args.direction == "hf-to-mcore":

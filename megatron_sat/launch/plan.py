@@ -200,14 +200,7 @@ def resolve_plan(cfg: Any, hf_config: dict[str, Any] | None = None) -> LaunchPla
     pp = par.pipeline_model_parallel_size
     ep = par.expert_model_parallel_size
     notes: list[str] = []
-    etp = _parallel_option(par, "expert_tensor_parallel_size")
-    if etp is None:
-        etp = 1
-        if tp > 1:
-            notes.append(
-                "expert tensor parallel 1: ParallelConfig has no expert_tensor_parallel_size "
-                f"field; megatron-core's default would be TP={tp}, so the trainer must pass 1"
-            )
+    etp = par.expert_tensor_parallel_size
     sp = _parallel_option(par, "sequence_parallel")
     if sp is None:
         sp = tp > 1  # transformer_config_from_hf's rule

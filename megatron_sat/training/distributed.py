@@ -23,20 +23,29 @@ class ParallelConfig:
         tensor_model_parallel_size: TP degree (sequence parallel is on whenever TP > 1).
         pipeline_model_parallel_size: PP degree.
         expert_model_parallel_size: EP degree.
+        expert_tensor_parallel_size: TP degree inside the experts. 1 (every expert whole on
+            one rank, the usual MoE layout and the launch plan's) unless set; megatron-core's
+            own default would be the TP size.
     """
 
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
     expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
-        for field in (
-            "tensor_model_parallel_size",
-            "pipeline_model_parallel_size",
-            "expert_model_parallel_size",
-        ):
-            if getattr(self, field) < 1:
-                raise ValueError(f"parallel.{field} must be >= 1, got {getattr(self, field)}")
+        for name, value in self.sizes().items():
+            if value < 1:
+                raise ValueError(f"parallel.{name} must be >= 1, got {value}")
+
+    def sizes(self) -> dict[str, int]:
+        """The four sizes by field name (also the ``transformer_config_from_hf`` keywords)."""
+        return {
+            "tensor_model_parallel_size": self.tensor_model_parallel_size,
+            "pipeline_model_parallel_size": self.pipeline_model_parallel_size,
+            "expert_model_parallel_size": self.expert_model_parallel_size,
+            "expert_tensor_parallel_size": self.expert_tensor_parallel_size,
+        }
 
 
 def free_port() -> int:
@@ -48,10 +57,12 @@ def free_port() -> int:
 
 def init_distributed(parallel: ParallelConfig, seed: int = 1234) -> None:
     """Initialise torch.distributed (from torchrun's env, or a 1-process world) and
-    megatron-core's model-parallel groups and RNG tracker. Idempotent.
+    megatron-core's model-parallel groups and RNG tracker. Idempotent for the same layout.
 
     Raises:
-        ValueError: when the world size is not divisible by TP x PP (or EP).
+        ValueError: when the world size does not fit the layout (TP*PP and ETP*EP*PP must
+            divide it), or megatron-core is already initialised at another layout (destroy it
+            first: ``destroy_distributed``), which would otherwise be kept silently.
     """
     apply_cpu_shims()
     if not torch.distributed.is_initialized():
@@ -68,23 +79,36 @@ def init_distributed(parallel: ParallelConfig, seed: int = 1234) -> None:
                 rank=0,
                 world_size=1,
             )
-    from megatron.core import parallel_state
+    from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     world = torch.distributed.get_world_size()
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
-    ep = parallel.expert_model_parallel_size
-    if world % (tp * pp) or world % (ep * pp):
+    ep, etp = parallel.expert_model_parallel_size, parallel.expert_tensor_parallel_size
+    if world % (tp * pp) or world % (etp * ep * pp):
         raise ValueError(
-            f"world size {world} is not divisible by TP*PP={tp * pp} and EP*PP={ep * pp}"
+            f"world size {world} is not divisible by TP*PP={tp * pp} and ETP*EP*PP={etp * ep * pp}"
         )
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=tp,
-            pipeline_model_parallel_size=pp,
-            expert_model_parallel_size=ep,
+    if ps.model_parallel_is_initialized():
+        have = ParallelConfig(
+            ps.get_tensor_model_parallel_world_size(),
+            ps.get_pipeline_model_parallel_world_size(),
+            ps.get_expert_model_parallel_world_size(),
+            ps.get_expert_tensor_parallel_world_size(),
         )
-        model_parallel_cuda_manual_seed(seed)
+        if have != parallel:
+            raise ValueError(
+                f"megatron-core's parallel state is already initialised at {have}, not "
+                f"{parallel}: destroy it first (training.distributed.destroy_distributed)"
+            )
+        return
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
+    )
+    model_parallel_cuda_manual_seed(seed)
 
 
 def destroy_distributed() -> None:

@@ -99,31 +99,11 @@ class PolicyTrainer:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         init_distributed(parallel, seed=train.seed)
-        have = (
-            parallel_state.get_tensor_model_parallel_world_size(),
-            parallel_state.get_expert_model_parallel_world_size(),
-            parallel_state.get_pipeline_model_parallel_world_size(),
-        )
-        want = (
-            parallel.tensor_model_parallel_size,
-            parallel.expert_model_parallel_size,
-            parallel.pipeline_model_parallel_size,
-        )
-        if have != want:
-            raise ValueError(
-                f"megatron-core's parallel state is already initialised with (TP, EP, PP) = "
-                f"{have}, but parallel asks for {want}: destroy it first "
-                "(training.distributed.destroy_distributed)"
-            )
         self.train_config = train
         self.pad_token_id = pad_token_id
         self.hf_config = hf_config
         self.config = transformer_config_from_hf(
-            self.hf_config,
-            tensor_model_parallel_size=parallel.tensor_model_parallel_size,
-            expert_model_parallel_size=parallel.expert_model_parallel_size,
-            pipeline_model_parallel_size=1,
-            moe_enable_routing_replay=True,
+            self.hf_config, **parallel.sizes(), moe_enable_routing_replay=True
         )
         model = build_gpt_model(self.hf_config, self.config)
         if load_from is not None:

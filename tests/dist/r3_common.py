@@ -40,21 +40,15 @@ HF_CONFIG = dict(
 
 
 def set_parallel(tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None, seed=1234):
-    """(Re)initialise megatron-core's parallel state on the running 2-rank gloo world."""
+    """(Re)initialise megatron-core's parallel state on the running 2-rank gloo world
+    (``etp`` None: megatron-core's default, the TP size)."""
     from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     from megatron_sat.training.distributed import ParallelConfig, init_distributed
 
-    init_distributed(ParallelConfig(), seed=seed)  # world + shims, once
-    parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp,
-        expert_model_parallel_size=ep,
-        expert_tensor_parallel_size=etp,
-    )
-    model_parallel_cuda_manual_seed(seed)
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    init_distributed(ParallelConfig(tp, pp, ep, tp if etp is None else etp), seed=seed)
 
 
 def build(hf_config, *, tp=1, pp=1, ep=1, etp=None, dispatcher="alltoall", recompute=None):
