@@ -1,15 +1,17 @@
 """The RL loop: generate -> score -> advantages -> train step -> (every n steps) weight sync.
 
-Under torchrun (data parallelism at TP = EP = PP = 1) global rank 0 owns everything outside the
-train step: the rollout pool and servers, evaluation, weight sync, logging and the summary. Each
-step it generates the whole batch, computes the group advantages, and sends every data-parallel
-rank a contiguous share of whole GRPO groups (``dp_shares``, ``scatter_object_list`` over the
-default process group); then every rank runs ``PolicyTrainer.rl_step`` on its share (global
-denominators, global SAT quantile, summed gradients: see the trainer) and rank 0 logs the
-global metrics it returns. Every rank holds the full weights, so rank 0 alone pushes them to
-the servers (the HF export's collectives run over the TP/EP/PP groups, which hold one rank each
-at TP = EP = PP = 1, the only layout the trainer accepts). Writing the final checkpoint is a
-collective of all ranks. With one process nothing is scattered.
+Under torchrun global rank 0 owns everything outside the trainer's collectives: the rollout
+pool and servers, evaluation, weight sync, logging and the summary. The other trainer ranks
+follow it (``_Followers``): before each collective action rank 0 broadcasts what comes next --
+a train step, a walk of the HF export for a weight push, a run checkpoint, the end -- and the
+others do the same, so every collective (data-parallel scatter and reductions, the export's
+TP/EP all-gathers) runs on all ranks in the same order, at any TP/EP/DP layout the trainer
+accepts. Each step rank 0 generates the whole batch, computes the group advantages and sends
+every data-parallel rank a contiguous share of whole GRPO groups (``dp_shares`` by DP rank;
+the TP ranks of one DP rank get the same share), then every rank runs
+``PolicyTrainer.rl_step`` on its share (global denominators, global SAT quantile, summed
+gradients: see the trainer) and rank 0 logs the global metrics it returns. A weight push walks
+the export on every rank; rank 0 sends it. With one process nothing is broadcast.
 
 Dead servers: the pools stop using a server whose request failed and re-issue its work; every
 weight push goes through ``rollout.fleet.sync_servers``, which restarts a dead embedded server,
@@ -164,13 +166,16 @@ def distributed_rl_step(
     cfg: RunConfig,
     trainer_version: int | None,
 ) -> dict[str, float]:
-    """One train step on every rank: rank 0 passes the whole batch and scatters each rank its
-    share (``dp_shares``); the other ranks pass None and receive theirs. Returns the global
-    metrics of ``PolicyTrainer.rl_step`` (on every rank).
+    """One train step on every rank: rank 0 passes the whole batch and scatters each rank the
+    share of its data-parallel rank (``dp_shares``; TP ranks of one DP rank get the same
+    share); the other ranks pass None and receive theirs. Returns the global metrics of
+    ``PolicyTrainer.rl_step`` (on every rank).
 
     Raises:
         ValueError: a non-zero rank passed samples, or rank 0 passed none.
     """
+    from megatron.core import parallel_state
+
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     if (samples is None) != (rank != 0):
@@ -178,15 +183,79 @@ def distributed_rl_step(
     if world == 1:
         share = (samples, advantages, trainer_version)
     else:
+        dp_ranks: list = [None] * world
+        dist.all_gather_object(dp_ranks, parallel_state.get_data_parallel_rank())
         objects = None
         if rank == 0:
-            slices = dp_shares(len(samples), cfg.rollout.group_size, world)
-            objects = [(samples[s], advantages[s], trainer_version) for s in slices]
+            num_dp = parallel_state.get_data_parallel_world_size()
+            slices = dp_shares(len(samples), cfg.rollout.group_size, num_dp)
+            objects = [
+                (samples[slices[d]], advantages[slices[d]], trainer_version) for d in dp_ranks
+            ]
         received: list = [None]
         dist.scatter_object_list(received, objects, src=0)
         share = received[0]
     share_samples, share_advantages, version = share
     return trainer.rl_step(share_samples, share_advantages, cfg.objective, trainer_version=version)
+
+
+class _Followers:
+    """Rank 0's side of the command channel to the other trainer ranks (module docstring).
+
+    ``tell(command, arg)`` broadcasts one command over the world group before rank 0 starts
+    the collective action it names; the followers run ``follow``. Commands: ``step``, ``export``
+    (walk ``trainer.hf_tensors()`` to the end), ``save`` (arg: the step), ``done`` and
+    ``abort`` (rank 0 failed: the followers raise instead of waiting forever).
+    """
+
+    def __init__(self, trainer: PolicyTrainer) -> None:
+        self.trainer = trainer
+        self.active = dist.is_initialized() and dist.get_world_size() > 1
+        self.done = False
+        self._export: Iterator | None = None
+
+    def tell(self, command: str, arg: int | None = None) -> None:
+        if self.active:
+            dist.broadcast_object_list([command, arg], src=0)
+        self.done |= command == "done"
+
+    def hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``trainer.hf_tensors()`` for the fleet, mirrored by every follower. A push may stop
+        consuming an export half-way (a failed bucket) and ask for a new one: the rest of the
+        old one is walked first, since the followers walk each export to the end."""
+        self.finish_export()
+        self.tell("export")
+        self._export = self.trainer.hf_tensors()
+        return self._export
+
+    def finish_export(self) -> None:
+        if self._export is not None:
+            for _ in self._export:
+                pass
+            self._export = None
+
+    @staticmethod
+    def follow(trainer: PolicyTrainer, cfg: RunConfig) -> None:
+        """A non-zero rank: do what rank 0 says until it says ``done``.
+
+        Raises:
+            RuntimeError: when rank 0 aborts.
+        """
+        while True:
+            message: list = [None, None]
+            dist.broadcast_object_list(message, src=0)
+            command, arg = message
+            if command == "step":
+                distributed_rl_step(trainer, None, None, cfg, None)
+            elif command == "export":
+                for _ in trainer.hf_tensors():
+                    pass
+            elif command == "save":
+                save_if_due(cfg, trainer, arg, version=None, initial=None)
+            elif command == "done":
+                return
+            else:
+                raise RuntimeError(f"rank 0 ended the run ({command}); see its log")
 
 
 def run_rl(cfg: RunConfig) -> dict:
@@ -216,12 +285,29 @@ def run_rl(cfg: RunConfig) -> dict:
             f"{cfg.train.num_steps}: nothing to resume (raise train.num_steps)"
         )
     if dist.get_rank() != 0:
-        for step in range(first_step, cfg.train.num_steps + 1):
-            distributed_rl_step(trainer, None, None, cfg, None)
-            save_if_due(cfg, trainer, step, version=None, initial=None)
+        _Followers.follow(trainer, cfg)
         # Writing the checkpoint is a collective (checkpoint.hf_io.save_model_as_hf).
         trainer.save_hf(Path(cfg.run_dir) / "checkpoint", tokenizer_dir=cfg.init_checkpoint)
         return {}
+    followers = _Followers(trainer)
+    try:
+        summary = _lead(cfg, trainer, tokenizer, state, first_step, followers)
+    except BaseException:
+        if not followers.done:  # after "done" they are in the final checkpoint's collectives
+            followers.tell("abort")
+        raise
+    return summary
+
+
+def _lead(
+    cfg: RunConfig,
+    trainer: PolicyTrainer,
+    tokenizer,
+    state,
+    first_step: int,
+    followers: _Followers,
+) -> dict:
+    """Rank 0's part of ``run_rl`` (everything but the set-up shared by all ranks)."""
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
@@ -248,7 +334,10 @@ def run_rl(cfg: RunConfig) -> dict:
         pools: list[RolloutPool | AsyncRolloutPool] = [pool]
         version = 0 if state is None else state.weight_version
         # Start from identical weights on both sides, tagged with the trainer's version.
-        fleet.push(trainer.hf_tensors, version)
+        try:
+            fleet.push(followers.hf_tensors, version)
+        finally:
+            followers.finish_export()
         base_version = version  # the async pool counts batches from here
         async_pool = None
         if ro.mode != "sync":
@@ -280,7 +369,10 @@ def run_rl(cfg: RunConfig) -> dict:
         def push() -> PushReport:
             """The trainer's weights as ``version`` to every server, dead ones replaced."""
             nonlocal restart_s
-            report = sync_servers(fleet, pools, trainer.hf_tensors, version)
+            try:
+                report = sync_servers(fleet, pools, followers.hf_tensors, version)
+            finally:
+                followers.finish_export()
             restart_s += report.restart_s
             if report.found_dead:
                 tqdm.write(
@@ -347,6 +439,7 @@ def run_rl(cfg: RunConfig) -> dict:
             rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
             advantages = compute_grpo_advantages(rewards, ro.group_size)
             metrics = batch_metrics(samples, version)
+            followers.tell("step")
             train = distributed_rl_step(trainer, samples, advantages, cfg, version)
             metrics.update({f"train/{k}": v for k, v in train.items()})
             version += 1
@@ -383,6 +476,7 @@ def run_rl(cfg: RunConfig) -> dict:
                 }
             )
             logger.log(step, metrics)
+            followers.tell("save", step)
             save_if_due(cfg, trainer, step, version=version, initial=initial)
             progress.set_postfix(
                 reward=f"{metrics['rollout/reward']:.3f}",
@@ -392,6 +486,7 @@ def run_rl(cfg: RunConfig) -> dict:
         if async_pool is not None:
             async_pool.stop()
         pool.close()
+        followers.tell("done")
         checkpoint = trainer.save_hf(run_dir / "checkpoint", tokenizer_dir=cfg.init_checkpoint)
         summary = make_summary(cfg, initial, final, run_dir, checkpoint, time.time() - t_start)
         logger.write_summary(summary)
