@@ -45,6 +45,7 @@ def runs(tmp_path_factory, tiny_checkpoint) -> dict[str, Path]:
         "train.eval_every=3",
         "train.micro_batch_size=4",
         "train.lr=0.01",  # weights move visibly, so a stale or partial push would show
+        "objective.kl_coef=0.001",  # the sharded reference policy too
     ]
     argv = [
         f"{name}=" + ";".join([*common, f"run_dir={tmp / name}", *extra])
@@ -69,10 +70,12 @@ def test_rl_loop_at_model_parallel_layout(runs, layout):
     for row in rows[1:]:
         assert row["train/num_seqs"] == 12  # the global batch, whatever the shares
         assert row["train/topk_match_r3"] == 1.0
+        assert row["train/kl_loss"] >= 0.0
         # server weights == trainer weights at every step: fp32 rounding only
         assert row["train/mismatch_abs_logratio"] < 1e-4, row
     # ... and at least one step followed an update that moved the weights (lr 0.01 times a
     # non-zero gradient), so a push that missed it would have shown above
     assert any(prev["train/grad_norm"] > 0.1 for prev in rows[1:-1])
+    assert rows[1]["train/kl_loss"] == 0.0 and rows[-1]["train/kl_loss"] > 0.0
     summary = json.loads((run / "summary.json").read_text())
     assert summary["num_steps"] == 3 and (run / "checkpoint" / "config.json").exists()

@@ -274,6 +274,7 @@ def run_rl(cfg: RunConfig) -> dict:
         cfg.parallel,
         pad_token_id=tokenizer.pad_token_id,
         load_from=cfg.init_checkpoint,
+        reference=cfg.objective.kl_coef > 0,  # the k3 KL's pi_ref: the initial checkpoint
     )
     state = None
     if cfg.train.resume:

@@ -71,6 +71,10 @@ class PolicyTrainer:
         parallel: Megatron parallel layout. DP ranks start from identical weights (a
             broadcast from DP rank 0 when the DP size is > 1).
         pad_token_id: token id used for padding.
+        reference: also hold a frozen reference policy (the initial weights: ``load_from``, or
+            a copy of the random initialisation), sharded like the policy, for the k3 KL term
+            of objectives with ``kl_coef > 0`` (``rl_step`` computes its log-probs with the
+            same routing as the trained forward).
 
     Raises:
         ValueError: ``parallel.pipeline_model_parallel_size`` > 1 (the steps run their
@@ -87,6 +91,7 @@ class PolicyTrainer:
         *,
         pad_token_id: int,
         load_from: str | Path | None,
+        reference: bool = False,
     ) -> None:
         if parallel.pipeline_model_parallel_size != 1:
             raise ValueError(
@@ -108,6 +113,14 @@ class PolicyTrainer:
         model = build_gpt_model(self.hf_config, self.config)
         if load_from is not None:
             load_hf_into_model(model, load_from)
+        self.reference_model = None
+        if reference:
+            self.reference_model = build_gpt_model(self.hf_config, self.config)
+            if load_from is not None:
+                load_hf_into_model(self.reference_model, load_from)
+            else:
+                self.reference_model.load_state_dict(model.state_dict())
+            self.reference_model.eval().requires_grad_(False)
         # average_in_collective=False (megatron-core's default) pre-scales dense AND expert
         # gradients by 1 / (dense DP size) before summing them over their own DP groups
         # (expert_gradient_scaling_factor in distributed_data_parallel.py). Expert weights
@@ -147,6 +160,9 @@ class PolicyTrainer:
         # R3 replay and the routing audit on this rank's tokens (the TP rank's sequence shard
         # under sequence parallelism, MoE layers only).
         self.routing = RoutingReplay(self.model)
+        self.reference_routing = (
+            None if self.reference_model is None else RoutingReplay(self.reference_model)
+        )
         self.sequence_parallel = bool(self.config.sequence_parallel)
         self.tp_size = parallel_state.get_tensor_model_parallel_world_size()
         # Sequence parallelism splits every micro-batch's sequence evenly over the TP ranks.
@@ -212,15 +228,19 @@ class PolicyTrainer:
         count = global_max(len(mbs), group)
         return list(mbs) + [self._filler_micro_batch(with_routes) for _ in range(count - len(mbs))]
 
-    def _replayed(self, mb: MicroBatch, *, training: bool) -> contextlib.AbstractContextManager:
+    def _replayed(
+        self, mb: MicroBatch, *, training: bool, routing: RoutingReplay | None = None
+    ) -> contextlib.AbstractContextManager:
         """Context in which the next forward replays ``mb``'s rollout routes (R3) in every MoE
-        router of this rank, cut to this rank's tokens (``RoutingReplay.routes_for``)."""
+        router of this rank, cut to this rank's tokens (``RoutingReplay.routes_for``), of the
+        policy (default) or of the model of ``routing``."""
+        routing = routing or self.routing
 
         @contextlib.contextmanager
         def session() -> Iterator[None]:
-            routes = self.routing.routes_for(mb.routes, mb.routes_valid)
-            with self.routing.replay({0: routes}, training=training, audit=False):
-                with self.routing.micro_batch(0):
+            routes = routing.routes_for(mb.routes, mb.routes_valid)
+            with routing.replay({0: routes}, training=training, audit=False):
+                with routing.micro_batch(0):
                     yield
 
         return session()
@@ -310,6 +330,8 @@ class PolicyTrainer:
           computed for TIS / IcePop.
         - With ``train.use_r3`` every forward that trains or sets q replays the rollout engine's
           experts; one more no-grad forward with live routing gives the live diagnostics.
+        - With ``objective.kl_coef > 0`` a no-grad forward of the frozen reference policy (same
+          routing as the trained forward) gives ``ref_log_probs`` for the k3 KL term.
         - Under EP a rank with fewer micro-batches than another rank of its expert group runs
           forwards/backwards of empty filler micro-batches, so the dispatcher's all-to-alls
           stay in step; they contribute nothing.
@@ -357,6 +379,11 @@ class PolicyTrainer:
         num_tokens, num_seqs = global_loss_denominators([mb.loss_mask for mb in mbs], group)
         if num_tokens == 0:
             raise ValueError("the global batch has no response tokens to train on")
+        if objective.kl_coef > 0 and self.reference_model is None:
+            raise ValueError(
+                f"ObjectiveConfig.kl_coef={objective.kl_coef} needs a reference policy: "
+                "construct the PolicyTrainer with reference=True"
+            )
         recomputed = objective.ratio_denominator == "recomputed_old"
         if recomputed and trainer_version is not None:
             oldest = global_max(max((a for a in ages if a is not None), default=0), group)
@@ -377,6 +404,11 @@ class PolicyTrainer:
         if use_r3 and (needs_old or global_q):
             trained_routing = self._no_grad_log_probs(forwards, replay=True)[: len(mbs)]
         old = [lp if needs_old else None for lp, _ in trained_routing]
+        ref = [None] * len(mbs)
+        if objective.kl_coef > 0:
+            ref = [
+                lp for lp, _ in self._no_grad_log_probs(forwards, replay=use_r3, reference=True)
+            ][: len(mbs)]
         quantile = None
         if global_q:
             abs_d = [
@@ -412,6 +444,7 @@ class PolicyTrainer:
                     mb.advantages,
                     mb.loss_mask,
                     objective,
+                    ref_log_probs=ref[i],
                     old_log_probs=old[i],
                     global_num_tokens=num_tokens,
                     global_num_seqs=num_seqs,
@@ -443,7 +476,7 @@ class PolicyTrainer:
 
     @torch.no_grad()
     def _no_grad_log_probs(
-        self, mbs: list[MicroBatch], replay: bool
+        self, mbs: list[MicroBatch], replay: bool, reference: bool = False
     ) -> list[tuple[torch.Tensor, float]]:
         """Per micro-batch: log-probs [B, S] of a no-grad forward with the current weights
         (the full sequence on every TP rank), and the fraction of (MoE layer, response token)
@@ -454,13 +487,21 @@ class PolicyTrainer:
             mbs: micro-batches with routes (fillers included: every rank of an expert group
                 must pass as many).
             replay: replay the rollout engine's experts (R3) or route live.
+            reference: run the frozen reference policy instead of the policy.
         """
-        self.model.eval()
+        model, routing = self.model, self.routing
+        if reference:
+            model, routing = self.reference_model, self.reference_routing
+        model.eval()
         out = []
         for mb in mbs:
-            ctx = self._replayed(mb, training=False) if replay else contextlib.nullcontext()
-            with ctx, capture_routing(self.model) as used:
-                log_probs = forward_log_probs(self.model, mb)
+            ctx = (
+                self._replayed(mb, training=False, routing=routing)
+                if replay
+                else contextlib.nullcontext()
+            )
+            with ctx, capture_routing(model) as used:
+                log_probs = forward_log_probs(model, mb)
             out.append((log_probs, self._topk_agreement(used, mb)))
         return out
 

@@ -1,0 +1,78 @@
+"""The k3 KL to a frozen reference policy in the real PolicyTrainer (SAT paper: kl_coef 1e-3).
+
+The reference is the initial checkpoint, sharded like the policy and run with the same (R3)
+routing. At the first step the policy equals it, so the KL is exactly 0; after an update the
+step's ``kl_loss`` equals k3 of the two models' log-probs computed here by hand, and the
+reference's weights stay those of the checkpoint.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from test_split_invariance import attach_rollout_log_probs, make_samples
+
+from megatron_sat.config import TrainConfig
+from megatron_sat.objectives import ObjectiveConfig
+from megatron_sat.training.distributed import ParallelConfig
+from megatron_sat.training.trainer import PolicyTrainer
+
+
+@pytest.fixture(scope="module")
+def trainer(megatron_world, tiny_checkpoint, tiny_hf_config) -> PolicyTrainer:
+    return PolicyTrainer(
+        tiny_hf_config,
+        TrainConfig(lr=1e-2, clip_grad=0.0, micro_batch_size=24, use_r3=True),
+        ParallelConfig(),
+        pad_token_id=0,
+        load_from=tiny_checkpoint,
+        reference=True,
+    )
+
+
+def k3_token_mean(log_probs, ref_log_probs, masks) -> float:
+    """sum over active tokens of exp(-x) - 1 + x, x = log pi - log pi_ref, / their count."""
+    total = count = 0.0
+    for lp, ref, mask in zip(log_probs, ref_log_probs, masks, strict=True):
+        x = (lp - ref).double()[mask.bool()]
+        total += float((torch.exp(-x) - 1 + x).sum())
+        count += float(mask.sum())
+    return total / count
+
+
+def test_kl_to_the_initial_policy(trainer, tiny_hf_config, tiny_checkpoint):
+    samples = make_samples(trainer, tiny_hf_config["vocab_size"])
+    attach_rollout_log_probs(trainer, samples)
+    advantages = torch.linspace(-1.0, 1.0, len(samples))
+    objective = ObjectiveConfig(name="sat-gspo", kl_coef=0.5)
+
+    first = trainer.rl_step(samples, advantages, objective)
+    assert first["kl_loss"] == 0.0  # the policy is still the reference, bit for bit
+
+    mbs = trainer.micro_batches(samples, advantages, with_routes=True)
+    policy = [lp for lp, _ in trainer._no_grad_log_probs(mbs, replay=True)]
+    reference = [lp for lp, _ in trainer._no_grad_log_probs(mbs, replay=True, reference=True)]
+    expected = k3_token_mean(policy, reference, [mb.loss_mask for mb in mbs])
+    second = trainer.rl_step(samples, advantages, objective)
+    assert expected > 1e-6  # the update moved the policy away from the reference
+    assert second["kl_loss"] == pytest.approx(expected, rel=1e-4)
+
+    # the reference is frozen at the checkpoint's weights
+    hf = load_file(str(tiny_checkpoint / "model.safetensors"))
+    embedding = trainer.reference_model.embedding.word_embeddings.weight
+    assert torch.equal(embedding, hf["model.embed_tokens.weight"])
+    assert all(not p.requires_grad for p in trainer.reference_model.parameters())
+
+
+def test_kl_without_a_reference_is_refused(megatron_world, tiny_checkpoint, tiny_hf_config):
+    plain = PolicyTrainer(
+        tiny_hf_config,
+        TrainConfig(micro_batch_size=12),
+        ParallelConfig(),
+        pad_token_id=0,
+        load_from=tiny_checkpoint,
+    )
+    samples = make_samples(plain, tiny_hf_config["vocab_size"])
+    with pytest.raises(ValueError, match="reference=True"):
+        plain.rl_step(samples, torch.ones(len(samples)), ObjectiveConfig(name="grpo", kl_coef=1e-3))
