@@ -66,6 +66,11 @@ class RolloutConfig:
             partial output or ``restart``ed.
         eval_temperature: temperature of the sampled held-out evaluation.
         eval_samples_per_prompt: samples per held-out prompt for avg@k.
+        filter_groups: replace prompt groups whose rewards are all equal (zero advantages) by
+            groups of further prompts (DAPO's dynamic sampling), in every mode.
+        filter_max_resample: with ``filter_groups``, at most this many replacement groups per
+            step per prompt of the batch (``filter_max_resample * prompts_per_step``); then
+            groups are kept whatever their rewards.
     """
 
     server_urls: list[str] = field(default_factory=list)
@@ -82,6 +87,8 @@ class RolloutConfig:
     on_update: str = "resume"
     eval_temperature: float = 1.0
     eval_samples_per_prompt: int = 4
+    filter_groups: bool = False
+    filter_max_resample: int = 4
 
     def __post_init__(self) -> None:
         _positive(
@@ -108,6 +115,15 @@ class RolloutConfig:
             )
         if self.lag < 0:
             raise ValueError(f"rollout.lag must be >= 0, got {self.lag}")
+        if self.filter_max_resample < 0:
+            raise ValueError(
+                f"rollout.filter_max_resample must be >= 0, got {self.filter_max_resample}"
+            )
+
+    @property
+    def max_replacement_groups(self) -> int:
+        """Replacement groups per step at most (0 when ``filter_groups`` is off)."""
+        return self.filter_max_resample * self.prompts_per_step if self.filter_groups else 0
 
 
 @dataclass

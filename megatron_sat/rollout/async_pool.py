@@ -40,6 +40,9 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
+import torch
+
+from megatron_sat.objectives.advantages import informative_groups
 from megatron_sat.rollout.client import GenerateOutput, SamplingParams, SGLangClient, SGLangError
 from megatron_sat.rollout.datasets import PromptRecord
 from megatron_sat.rollout.meter import ServerMeter
@@ -60,6 +63,11 @@ class AsyncPoolConfig:
         prompts_per_batch: prompt groups per trainer batch.
         group_size: samples per prompt.
         on_update: what happens to a request aborted by a weight push (bounded mode).
+        filter_groups: drop a completed group whose rewards are all equal (zero advantages)
+            and generate a group of the next prompt for the same batch instead (DAPO's
+            dynamic sampling, Yu et al., arXiv 2503.14476, Eq. 11).
+        max_replacements: replacement groups per batch at most; once used up, groups are kept
+            whatever their rewards (so an all-solved dataset still makes batches).
     """
 
     mode: str = "fixed_lag"
@@ -67,6 +75,8 @@ class AsyncPoolConfig:
     prompts_per_batch: int = 32
     group_size: int = 8
     on_update: str = "resume"
+    filter_groups: bool = False
+    max_replacements: int = 0
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -77,6 +87,10 @@ class AsyncPoolConfig:
             raise ValueError(f"async_pool.lag must be >= 0, got {self.lag}")
         if self.prompts_per_batch < 1 or self.group_size < 1:
             raise ValueError("async_pool.prompts_per_batch and group_size must be >= 1")
+        if self.max_replacements < 0:
+            raise ValueError(
+                f"async_pool.max_replacements must be >= 0, got {self.max_replacements}"
+            )
 
 
 @dataclass
@@ -106,6 +120,7 @@ class PoolStats:
         replaced: slots revived by ``replace_server``.
         samples_per_server: finished samples per server URL (a restarted server has a new URL;
             per-index counters are in the pool's ``meter``).
+        filtered_groups: groups dropped for equal rewards and replaced (``filter_groups``).
     """
 
     reissued: int = 0
@@ -114,6 +129,7 @@ class PoolStats:
     dead_servers: list[str] = field(default_factory=list)
     replaced: int = 0
     samples_per_server: dict[str, int] = field(default_factory=dict)
+    filtered_groups: int = 0
 
 
 class AsyncRolloutPool:
@@ -169,6 +185,8 @@ class AsyncRolloutPool:
         self._done: dict[int, dict[int, list[Sample | None]]] = {}  # batch -> group -> slots
         self._pending: dict[int, int] = {}  # batch -> unfinished samples
         self._next_index = 0
+        self._next_group = 0
+        self._replacements: dict[int, int] = {}  # batch -> replacement groups admitted
         self._error: BaseException | None = None
         self._stopped = False
         self._started = False
@@ -330,15 +348,40 @@ class AsyncRolloutPool:
             b = self._next_batch
             self._next_batch += 1
             self._done[b] = {}
-            self._pending[b] = cfg.prompts_per_batch * cfg.group_size
-            for g in range(cfg.prompts_per_batch):
-                record = next(self.prompts)
-                group = b * cfg.prompts_per_batch + g
-                self._done[b][group] = [None] * cfg.group_size
-                ids = self.tokenizer.encode(record.prompt)
-                for slot in range(cfg.group_size):
-                    self._queue.append(_Job(b, group, slot, record, ids))
+            self._pending[b] = 0
+            self._replacements[b] = 0
+            for _ in range(cfg.prompts_per_batch):
+                self._admit_group(b)
         self._cond.notify_all()
+
+    def _admit_group(self, batch: int) -> None:
+        """Queue one group of the next prompt for ``batch`` (caller holds the lock)."""
+        record = next(self.prompts)
+        group = self._next_group
+        self._next_group += 1
+        self._done[batch][group] = [None] * self.config.group_size
+        self._pending[batch] += self.config.group_size
+        ids = self.tokenizer.encode(record.prompt)
+        for slot in range(self.config.group_size):
+            self._queue.append(_Job(batch, group, slot, record, ids))
+
+    def _filter(self, batch: int, group: int) -> None:
+        """Replace ``group`` of ``batch`` if it is complete, uninformative (equal rewards) and
+        the batch has replacements left (caller holds the lock). The replacement starts at the
+        servers' current version, which is one the batch may be generated with (fixed lag: the
+        batch is incomplete, so no newer version was pushed; bounded: at least ``b - lag``)."""
+        slots = self._done[batch][group]
+        if any(s is None for s in slots):
+            return
+        if self._replacements[batch] >= self.config.max_replacements:
+            return
+        rewards = torch.tensor([s.reward for s in slots], dtype=torch.float64)
+        if informative_groups(rewards, len(slots))[0]:
+            return
+        del self._done[batch][group]
+        self._replacements[batch] += 1
+        self.stats.filtered_groups += 1
+        self._admit_group(batch)
 
     def _worker(self, server: int, generation: int) -> None:
         def retired() -> bool:
@@ -461,6 +504,9 @@ class AsyncRolloutPool:
                 self._next_index += 1
                 self._done[job.batch][job.group][job.slot] = sample
                 self._pending[job.batch] -= 1
+            if self.config.filter_groups:
+                for batch, group in {(job.batch, job.group) for job, _ in samples}:
+                    self._filter(batch, group)
             per_url = self.stats.samples_per_server
             per_url[url] = per_url.get(url, 0) + len(samples)
             self._cond.notify_all()

@@ -17,10 +17,13 @@ a server is back.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import torch
+
+from megatron_sat.objectives.advantages import informative_groups
 from megatron_sat.rollout.client import (
     GenerateOutput,
     RoutingSpec,
@@ -248,3 +251,45 @@ class RolloutPool:
             reward=float(self.reward_fn(text, record.label)),
             response_text=text,
         )
+
+
+def informative_batch(
+    generate: Callable[[list[PromptRecord]], list[Sample]],
+    prompts: Iterator[PromptRecord],
+    num_groups: int,
+    group_size: int,
+    max_replacements: int,
+) -> tuple[list[Sample], int]:
+    """A batch of ``num_groups`` groups in which groups of equal rewards were replaced.
+
+    DAPO's dynamic sampling (Yu et al., arXiv 2503.14476, Eq. 11) for the synchronous loop:
+    a group whose rewards are all equal has zero advantages and only dilutes the loss, so it is
+    dropped and a group of the next prompt generated instead, at most ``max_replacements``
+    times per batch; after that, groups are kept whatever their rewards.
+
+    Args:
+        generate: ``generate(records)`` -> ``group_size`` scored samples per record, grouped
+            contiguously (e.g. ``RolloutPool.generate_groups`` with the sampling bound).
+        prompts: where the first and every replacement prompt come from, in order.
+        num_groups, group_size: the batch's shape.
+        max_replacements: >= 0.
+
+    Returns:
+        (samples grouped contiguously, number of groups replaced).
+    """
+    kept: list[list[Sample]] = []
+    replaced = 0
+    records = [next(prompts) for _ in range(num_groups)]
+    while records:
+        samples = generate(records)
+        groups = [samples[i : i + group_size] for i in range(0, len(samples), group_size)]
+        rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
+        for group, informative in zip(
+            groups, informative_groups(rewards, group_size).tolist(), strict=True
+        ):
+            if informative or replaced >= max_replacements:
+                kept.append(group)
+            else:
+                replaced += 1
+        records = [next(prompts) for _ in range(num_groups - len(kept))]
+    return [s for group in kept for s in group], replaced

@@ -55,7 +55,7 @@ from megatron_sat.rollout.datasets import PromptRecord, load_prompt_dataset
 from megatron_sat.rollout.embedded.launch import EmbeddedServer
 from megatron_sat.rollout.fleet import PushReport, RolloutFleet, sync_servers
 from megatron_sat.rollout.meter import ServerMeter, server_metrics
-from megatron_sat.rollout.pool import NoLiveServer, RolloutPool
+from megatron_sat.rollout.pool import NoLiveServer, RolloutPool, informative_batch
 from megatron_sat.rollout.rewards import math_reward
 from megatron_sat.rollout.types import Sample, staleness
 from megatron_sat.training.evaluate import evaluate
@@ -105,11 +105,25 @@ def rollout_fleet(cfg: RunConfig) -> RolloutFleet:
     )
 
 
-def prompt_stream(records: list[PromptRecord], seed: int) -> Iterator[PromptRecord]:
-    """Endless shuffled passes over ``records`` (a new permutation each epoch)."""
-    rng = random.Random(seed)
-    while True:
-        yield from rng.sample(records, len(records))
+class PromptStream:
+    """Endless shuffled passes over ``records`` (a new permutation each epoch), counting the
+    prompts it has given (``consumed``: the data position a run checkpoint stores)."""
+
+    def __init__(self, records: list[PromptRecord], seed: int) -> None:
+        def passes() -> Iterator[PromptRecord]:
+            rng = random.Random(seed)
+            while True:
+                yield from rng.sample(records, len(records))
+
+        self._records = passes()
+        self.consumed = 0
+
+    def __iter__(self) -> PromptStream:
+        return self
+
+    def __next__(self) -> PromptRecord:
+        self.consumed += 1
+        return next(self._records)
 
 
 def batch_metrics(samples: list[Sample], trainer_version: int) -> dict[str, float]:
@@ -317,8 +331,12 @@ def _lead(
     eval_records = eval_records[: cfg.data.num_eval_prompts]
     num_layers, top_k, num_experts = trainer.routing_shape
     ro = cfg.rollout
-    prompts = prompt_stream(train_records, cfg.train.seed)
-    for _ in range((first_step - 1) * ro.prompts_per_step):  # the data position on resume
+    prompts = PromptStream(train_records, cfg.train.seed)
+    # The data position on resume (older checkpoints: one batch of prompts per step).
+    position = (first_step - 1) * ro.prompts_per_step
+    if state is not None:
+        position = state.data_state.get("prompts_consumed", position)
+    for _ in range(position):
         next(prompts)
     t_start = time.time()
     with rollout_fleet(cfg) as fleet, RunLogger(run_dir) as logger:
@@ -353,6 +371,8 @@ def _lead(
                     prompts_per_batch=ro.prompts_per_step,
                     group_size=ro.group_size,
                     on_update=ro.on_update,
+                    filter_groups=ro.filter_groups,
+                    max_replacements=ro.max_replacement_groups,
                 ),
                 SamplingParams(
                     temperature=ro.temperature,
@@ -366,6 +386,7 @@ def _lead(
             )
             pools.append(async_pool)
         restart_s = 0.0  # of the current step
+        filtered_groups = 0  # synchronous mode's replaced groups, since the start
 
         def push() -> PushReport:
             """The trainer's weights as ``version`` to every server, dead ones replaced."""
@@ -424,18 +445,24 @@ def _lead(
             if async_pool is not None:
                 samples = revived(functools.partial(async_pool.get_batch, step - first_step))
             else:
-                records = [next(prompts) for _ in range(ro.prompts_per_step)]
-                samples = revived(
-                    functools.partial(
-                        pool.generate_groups,
-                        records,
-                        ro.group_size,
-                        temperature=ro.temperature,
-                        top_p=ro.top_p,
-                        top_k=ro.top_k,
-                        max_new_tokens=ro.max_new_tokens,
-                    )
+                samples, replaced = informative_batch(
+                    lambda records: revived(
+                        functools.partial(
+                            pool.generate_groups,
+                            records,
+                            ro.group_size,
+                            temperature=ro.temperature,
+                            top_p=ro.top_p,
+                            top_k=ro.top_k,
+                            max_new_tokens=ro.max_new_tokens,
+                        )
+                    ),
+                    prompts,
+                    ro.prompts_per_step,
+                    ro.group_size,
+                    ro.max_replacement_groups,
                 )
+                filtered_groups += replaced
             t_gen = time.time() - t0
             rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
             advantages = compute_grpo_advantages(rewards, ro.group_size)
@@ -474,11 +501,17 @@ def _lead(
                     "rollout/reissued": float(sum(p.stats.reissued for p in pools)),
                     "rollout/dead_servers": float(len(fleet.down)),
                     "rollout/server_restarts": float(sum(fleet.restarts)),
+                    "rollout/filtered_groups": float(
+                        filtered_groups
+                        + (0 if async_pool is None else async_pool.stats.filtered_groups)
+                    ),
                 }
             )
             logger.log(step, metrics)
             followers.tell("save", step)
-            save_if_due(cfg, trainer, step, version=version, initial=initial)
+            save_if_due(
+                cfg, trainer, step, version=version, initial=initial, prompts=prompts.consumed
+            )
             progress.set_postfix(
                 reward=f"{metrics['rollout/reward']:.3f}",
                 acc=f"{metrics.get('eval/acc_greedy', float('nan')):.3f}",
@@ -511,9 +544,12 @@ def save_if_due(
     *,
     version: int | None,
     initial: dict | None,
+    prompts: int | None = None,
 ) -> None:
     """Run checkpoint after ``step`` every ``train.save_every`` steps and after the last one
-    (collective: every rank calls it; rank 0's version and data position are written)."""
+    (collective: every rank calls it; rank 0's version and data position, ``prompts``
+    consumed from the prompt stream, are written). An asynchronous pool has admitted prompts
+    ahead of the trainer: they count as consumed, so a resumed run skips them."""
     if not (should_save(step, cfg.train.save_every) or step == cfg.train.num_steps):
         return
     save_run_checkpoint(
@@ -522,7 +558,7 @@ def save_if_due(
         optimizer=trainer.optimizer,
         step=step,
         weight_version=version or 0,
-        data_state={"prompts_consumed": step * cfg.rollout.prompts_per_step},
+        data_state={"prompts_consumed": prompts or 0},
         extra={"initial_eval": initial or {}},
     )
 
