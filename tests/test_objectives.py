@@ -488,6 +488,32 @@ def test_reference_kl_k3_extreme_log_ratio_fp32_is_finite(x, expected):
     assert m["kl_loss"].item() == pytest.approx(expected, rel=1e-6)
 
 
+def test_entropy_bonus_by_hand():
+    # H = [0.7, 0.2 | 0.4, garbage]: token mean over the 3 active tokens = 1.3 / 3; with
+    # coefficient 0.05 the loss drops by 0.05 * 1.3 / 3 and d loss / d H = -0.05 / 3 per token
+    lp = leaf([[0.0, 0.0], [0.0, 5.0]])
+    mask = torch.tensor([[1, 1], [1, 0]], dtype=torch.bool)
+    entropy = torch.tensor([[0.7, 0.2], [0.4, math.nan]], dtype=F64, requires_grad=True)
+    adv = torch.ones(2, dtype=F64)
+    base, _, _ = run("grpo", lp, adv, mask)
+    config = ObjectiveConfig(name="grpo", entropy_coef=0.05)
+    loss, metrics = policy_loss(lp, torch.zeros_like(lp), adv, mask, config, entropy=entropy)
+    assert loss.item() == pytest.approx(base.item() - 0.05 * 1.3 / 3, abs=1e-12)
+    assert metrics["entropy"].item() == pytest.approx(1.3 / 3, abs=1e-12)
+    (grad,) = torch.autograd.grad(loss, entropy)
+    expected = torch.tensor([[-0.05 / 3, -0.05 / 3], [-0.05 / 3, 0.0]], dtype=F64)
+    torch.testing.assert_close(grad, expected, rtol=0, atol=1e-15)
+    # coefficient 0: the metric only, the loss unchanged
+    loss0, m0 = policy_loss(
+        lp, torch.zeros_like(lp), adv, mask, ObjectiveConfig(name="grpo"), entropy=entropy
+    )
+    assert torch.equal(loss0, base) and m0["entropy"].item() == pytest.approx(1.3 / 3)
+    with pytest.raises(ValueError, match="entropy is required"):
+        policy_loss(lp, torch.zeros_like(lp), adv, mask, config)
+    with pytest.raises(ValueError, match="entropy_coef"):
+        ObjectiveConfig(entropy_coef=-0.1)
+
+
 def test_mismatch_metrics_by_hand():
     # d = [0.3, -0.3, 0.1]; mean |d| = 0.2333333; k1 = mean(-d) = -0.0333333;
     # k3 = mean(exp(d) - 1 - d) = (0.0498588 + 0.0408182 + 0.0051709) / 3 = 0.0319493

@@ -34,7 +34,8 @@ TRAINER_VERSION = 3
 # to clip) and the gradients stay unclipped, so a wrong scale shows in them.
 TRAIN = {"lr": 1e-3, "clip_grad": 1e6, "use_r3": True}
 REFERENCE_MICRO_BATCH = 8  # 16 samples: 2 micro-batches in the single-rank reference
-OBJECTIVE = {"name": "sat-gspo", "sat_alpha": 0.5}
+# With the entropy bonus: its vocab-parallel entropy and gradient are part of the comparison.
+OBJECTIVE = {"name": "sat-gspo", "sat_alpha": 0.5, "entropy_coef": 0.01}
 ALL = slice(0, NUM_GROUPS * GROUP_SIZE)
 CASES = [
     # TP2: one data-parallel rank; both TP ranks pass the whole batch, 2 micro-batches.

@@ -82,6 +82,8 @@ class ObjectiveConfig:
             alpha <= pi_old / mu <= beta; None disables IcePop.
         dual_clip_c: Dual-clip constant c > 1 for A < 0; None disables it.
         kl_coef: Coefficient (>= 0) of the k3 KL to the reference policy; 1e-3 in the SAT paper.
+        entropy_coef: Coefficient (>= 0) of the entropy bonus: `loss -= entropy_coef *
+            agg(H)`, H the policy's per-token entropy (`entropy` of `policy_loss`); 0 = off.
         ratio_denominator: log-probs in the ratio's denominator: "rollout" = the rollout
             engine's log mu (SAT Eq. 1, the default) or "recomputed_old" = old log-probs that the
             trainer recomputes with its own weights before the update (`old_log_probs`). With one
@@ -104,6 +106,7 @@ class ObjectiveConfig:
     icepop_range: tuple[float, float] | None = None
     dual_clip_c: float | None = None
     kl_coef: float = 0.0
+    entropy_coef: float = 0.0
     ratio_denominator: str = "rollout"
 
     def __post_init__(self) -> None:
@@ -138,6 +141,9 @@ class ObjectiveConfig:
         c = self.dual_clip_c
         check(c is None or (finite(c) and c > 1), "dual_clip_c", "None or finite and > 1")
         check(finite(self.kl_coef) and self.kl_coef >= 0, "kl_coef", "finite and >= 0")
+        check(
+            finite(self.entropy_coef) and self.entropy_coef >= 0, "entropy_coef", "finite and >= 0"
+        )
         check(
             self.ratio_denominator in RATIO_DENOMINATORS,
             "ratio_denominator",
@@ -617,6 +623,7 @@ def policy_loss(
     global_num_seqs: float | Tensor | None = None,
     sat_quantile: float | Tensor | None = None,
     sample_age: Tensor | None = None,
+    entropy: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Policy loss of `config.name`, aggregated, plus the optional k3 reference KL.
 
@@ -644,6 +651,9 @@ def policy_loss(
             batch. Ignored, with a warning, by non-SAT objectives.
         sample_age: optional [B] integer version age of each row (`rollout.types.staleness`;
             negative = leave the row out): adds per-age-bucket metrics (`bucket_metrics`).
+        entropy: [B, T] the policy's entropy per token, nats, differentiable (e.g.
+            `training.logprobs.vocab_parallel_entropy`); required when `entropy_coef > 0`, and
+            reported as the `entropy` metric whenever given.
 
     Returns:
         (loss, metrics): 0-dim loss to minimise, in the compute dtype; metrics are detached 0-dim
@@ -653,7 +663,8 @@ def policy_loss(
         `num_active_tokens`, `num_seqs` (rows with >= 1 active token); SAT objectives add
         `sat_q`, `sat_gate_rate`, `sat_eps_low_mean`, `sat_eps_high_mean`, `sat_c_plus_min`,
         `sat_c_minus_min`; DPPO adds `dppo_drop_rate`; TIS `tis_weight_mean`; IcePop
-        `icepop_keep_rate`; `kl_loss` when `kl_coef > 0`; with `sample_age`,
+        `icepop_keep_rate`; `kl_loss` when `kl_coef > 0`; `entropy` (token mean) when
+        `entropy` is given; with `sample_age`,
         `age{a}/clipfrac_low`, `age{a}/clipfrac_high`, `age{a}/mismatch_abs_logratio`,
         `age{a}/k1`, `age{a}/k3`, `age{a}/num_active_tokens`, `age{a}/num_seqs` per age a, and
         for SAT `age{a}/sat_gate_rate`, `age{a}/sat_eps_low_mean`, `age{a}/sat_eps_high_mean`,
@@ -661,8 +672,8 @@ def policy_loss(
 
     Raises:
         ValueError: a shape mismatch (naming the argument), `kl_coef > 0` without
-            `ref_log_probs`, "recomputed_old" without `old_log_probs`, a non-positive global
-            denominator, a negative `sat_quantile`.
+            `ref_log_probs`, `entropy_coef > 0` without `entropy`, "recomputed_old" without
+            `old_log_probs`, a non-positive global denominator, a negative `sat_quantile`.
     """
     _check_shapes(
         log_probs,
@@ -672,10 +683,13 @@ def policy_loss(
             "loss_mask": loss_mask,
             "ref_log_probs": ref_log_probs,
             "old_log_probs": old_log_probs,
+            "entropy": entropy,
         },
     )
     if config.kl_coef > 0 and ref_log_probs is None:
         raise ValueError("ref_log_probs is required when ObjectiveConfig.kl_coef > 0")
+    if config.entropy_coef > 0 and entropy is None:
+        raise ValueError("entropy is required when ObjectiveConfig.entropy_coef > 0")
     recomputed = config.ratio_denominator == "recomputed_old"
     if recomputed and old_log_probs is None:
         raise ValueError(
@@ -736,6 +750,11 @@ def policy_loss(
         metrics["kl_loss"] = kl_loss.detach()
     elif ref_log_probs is not None:
         warnings.warn("ref_log_probs is ignored because ObjectiveConfig.kl_coef == 0", stacklevel=2)
+    if entropy is not None:
+        per_token_entropy = _masked(entropy, inp.mask, inp.log_probs.dtype)
+        metrics["entropy"] = masked_mean(per_token_entropy.detach(), inp.mask)
+        if config.entropy_coef > 0:
+            loss = loss - config.entropy_coef * agg(per_token_entropy)
     return loss, {k: v.detach() for k, v in metrics.items()}
 
 

@@ -45,6 +45,61 @@ def forward_log_probs(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
     return batch.to_sample_layout(model_log_probs(model, batch))
 
 
+def vocab_parallel_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of ``softmax(logits)`` over the whole vocabulary, from this TP rank's shard.
+
+    ``H = log S - T / S`` with ``S = sum_v exp(l_v - m)``, ``T = sum_v exp(l_v - m) (l_v - m)``
+    and m the (detached) global maximum: S and T are summed over the tensor-parallel group by
+    megatron-core's all-reduce whose backward is the identity, which is the gradient of a loss
+    every TP rank computes alike from H. Equal to ``-sum_v p_v log p_v`` up to rounding.
+
+    Args:
+        logits: [..., V / TP] any float dtype (computed in float32).
+
+    Returns:
+        float32 [...], nats; differentiable with respect to ``logits``.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+    logits = logits.float()
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    with torch.no_grad():
+        m = logits.max(dim=-1, keepdim=True).values
+        if tp > 1:
+            torch.distributed.all_reduce(
+                m,
+                op=torch.distributed.ReduceOp.MAX,
+                group=parallel_state.get_tensor_model_parallel_group(),
+            )
+    shifted = logits - m
+    e = shifted.exp()
+    total, weighted = e.sum(dim=-1), (e * shifted).sum(dim=-1)
+    if tp > 1:
+        total = reduce_from_tensor_model_parallel_region(total)
+        weighted = reduce_from_tensor_model_parallel_region(weighted)
+    return total.log() - weighted / total
+
+
+def forward_log_probs_and_entropy(
+    model: torch.nn.Module, batch: MicroBatch
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """log pi(labels | prefix) and the policy's entropy at every position, sample layout,
+    float32 [N, S] each, from one forward that keeps the (vocab-sharded) logits.
+
+    The log-probs are megatron-core's vocab-parallel cross entropy of the same logits, exactly
+    what :func:`forward_log_probs` computes (its ``labels=`` forward runs the same function).
+    Single pipeline stage, unpacked batches.
+    """
+    from megatron.core import tensor_parallel
+
+    logits = model(batch.input_ids, batch.position_ids, batch.attention_mask)  # [N, S, V/TP]
+    log_probs = -tensor_parallel.vocab_parallel_cross_entropy(
+        logits.transpose(0, 1).contiguous(), batch.labels.transpose(0, 1).contiguous()
+    ).transpose(0, 1)
+    return log_probs.float(), vocab_parallel_entropy(logits)
+
+
 def routing_agreement(
     captured: Mapping[int, torch.Tensor], batch: Batch
 ) -> dict[str, torch.Tensor]:

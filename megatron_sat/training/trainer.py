@@ -27,7 +27,7 @@ from megatron_sat.routing.replay import RoutingReplay, capture_routing
 from megatron_sat.routing.slicing import router_token_order
 from megatron_sat.training.batching import MicroBatch, build_micro_batch
 from megatron_sat.training.distributed import ParallelConfig, init_distributed
-from megatron_sat.training.logprobs import forward_log_probs
+from megatron_sat.training.logprobs import forward_log_probs, forward_log_probs_and_entropy
 from megatron_sat.training.loss_reduction import (
     MetricAccumulator,
     dp_loss_scale,
@@ -331,7 +331,9 @@ class PolicyTrainer:
         - With ``train.use_r3`` every forward that trains or sets q replays the rollout engine's
           experts; one more no-grad forward with live routing gives the live diagnostics.
         - With ``objective.kl_coef > 0`` a no-grad forward of the frozen reference policy (same
-          routing as the trained forward) gives ``ref_log_probs`` for the k3 KL term.
+          routing as the trained forward) gives ``ref_log_probs`` for the k3 KL term. With
+          ``objective.entropy_coef > 0`` the trained forward also gives the policy's entropy
+          over the whole (vocab-parallel) vocabulary for the entropy bonus.
         - Under EP a rank with fewer micro-batches than another rank of its expert group runs
           forwards/backwards of empty filler micro-batches, so the dispatcher's all-to-alls
           stay in step; they contribute nothing.
@@ -434,7 +436,11 @@ class PolicyTrainer:
         for i, mb in enumerate(forwards):
             replay = self._replayed(mb, training=True) if use_r3 else contextlib.nullcontext()
             with replay, capture_routing(self.model) as used:
-                log_probs = forward_log_probs(self.model, mb)
+                entropy = None
+                if objective.entropy_coef > 0:
+                    log_probs, entropy = forward_log_probs_and_entropy(self.model, mb)
+                else:
+                    log_probs = forward_log_probs(self.model, mb)
                 if i >= len(mbs):  # filler: keeps the all-to-alls of the backward in step
                     (log_probs.sum() * 0.0).backward()
                     continue
@@ -450,6 +456,7 @@ class PolicyTrainer:
                     global_num_seqs=num_seqs,
                     sat_quantile=quantile,
                     sample_age=ages_tensor(ages, i, self.train_config.micro_batch_size),
+                    entropy=entropy,
                 )
                 (loss * scale).backward()
             mb_metrics["loss"] = loss.detach()  # this micro-batch's share of the global loss
