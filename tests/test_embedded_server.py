@@ -302,3 +302,21 @@ def test_generate_rejects_non_integer_ids_nan_temperature_and_context_overflow(c
         assert reply.status_code == 400 and culprit in reply.text, (body, reply.text)
     (out,) = client.generate([1, 2], SamplingParams(max_new_tokens=2))  # still serving
     assert len(out.output_ids) == 2
+
+
+def test_mixed_dtype_bucket_is_aligned_and_unflattens():
+    # A float32 tensor after an odd-length bfloat16 one: the sender orders by element size so
+    # every tensor is aligned; a receiver given the unaligned order still reads it (a copy).
+    from megatron_sat.rollout.embedded.server import unflatten
+    from megatron_sat.weight_sync.broadcast import pack_order
+
+    bias = torch.tensor([1.5, -2.25, 3.0], dtype=torch.bfloat16)
+    router = torch.tensor([[0.1, 0.2]], dtype=torch.float32)
+    flag = torch.tensor([7], dtype=torch.uint8)
+    bucket = [("b", bias), ("f", flag), ("r", router)]
+    assert [n for n, _ in pack_order(bucket)] == ["r", "b", "f"]
+    for order in (pack_order(bucket), bucket):
+        flat = torch.cat([t.reshape(-1).view(torch.uint8) for _, t in order])
+        specs = [(n, t.dtype, tuple(t.shape)) for n, t in order]
+        for (name, t), got in zip(order, unflatten(flat, specs), strict=True):
+            assert got.dtype == t.dtype and torch.equal(got, t), name

@@ -45,11 +45,13 @@ class WeightUpdater:
 
     1. ``/pause_generation`` (``pause_mode``) on every server, then ``/flush_cache``.
     2. Tensors are packed in the caller's order into buckets of at most ``bucket_bytes`` (a
-       larger tensor travels alone). Per bucket, ``/update_weights_from_distributed`` with
-       ``names``, ``dtypes`` ("float32", "bfloat16", ...), ``shapes`` and ``group_name`` is posted
-       to every server concurrently while rank 0 broadcasts each tensor of the bucket, in
-       order, with its own dtype (by default flattened into one uint8 broadcast per bucket,
-       SGLang's ``flattened_bucket``); then every reply is awaited. Only the final bucket carries
+       larger tensor travels alone), each bucket ordered by element size (``pack_order``) so
+       that every tensor is aligned in the flattened bytes. Per bucket,
+       ``/update_weights_from_distributed`` with ``names``, ``dtypes`` ("float32", "bfloat16",
+       ...), ``shapes`` and ``group_name`` is posted to every server concurrently while rank 0
+       broadcasts each tensor of the bucket, in order, with its own dtype (by default
+       flattened into one uint8 broadcast per bucket, SGLang's ``flattened_bucket``); then
+       every reply is awaited. Only the final bucket carries
        ``weight_version`` (and ``flush_cache=True``), so a server's version changes only once
        all of its buckets loaded.
     3. ``/continue_generation`` on every server.
@@ -246,6 +248,7 @@ class WeightUpdater:
             device = torch.device("cuda", torch.cuda.current_device())
         else:
             device = torch.device("cpu")
+        bucket = pack_order(bucket)
         tensors = [t.detach().to(device).contiguous() for _, t in bucket]
         load_format = "flattened_bucket" if self.flatten_buckets else None
         futures = [
@@ -330,6 +333,14 @@ def _failures(clients: Sequence[SGLangClient], futures: Sequence[Future]) -> lis
         except Exception as e:
             lines.append(f"  {client.base_url}: {e}")
     return lines
+
+
+def pack_order(bucket: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """The bucket's tensors by element size, largest first (stable within a size): in the
+    flattened bucket every tensor then starts at a multiple of its element size, so a receiver
+    can view it in place (SGLang's views the bytes; a float32 tensor after an odd-length
+    bfloat16 one could not be viewed). The names travel with the tensors, so order is free."""
+    return sorted(bucket, key=lambda item: -item[1].element_size())
 
 
 def _buckets(

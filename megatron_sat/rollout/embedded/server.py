@@ -398,21 +398,33 @@ class ServerState:
     def _receive_flattened(self, group, specs) -> list[torch.Tensor]:
         """SGLang's ``flattened_bucket``: one uint8 broadcast holding every tensor's bytes in
         order (sglang ``srt/weight_sync/tensor_bucket.py``), received into the reused buffer;
-        returns views of it, one per spec, valid until the next update."""
-        sizes = [
-            math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-            for _, dtype, shape in specs
-        ]
-        total = sum(sizes)
+        returns one tensor per spec (``unflatten``), valid until the next update."""
+        total = sum(_nbytes(dtype, shape) for _, dtype, shape in specs)
         if self._receive_buffer.numel() < total:
             self._receive_buffer = torch.empty(total, dtype=torch.uint8)
         flat = self._receive_buffer[:total]
         group.broadcast(flat, src=0)
-        out, start = [], 0
-        for (_, dtype, shape), size in zip(specs, sizes, strict=True):
-            out.append(flat[start : start + size].view(dtype).reshape(shape))
-            start += size
-        return out
+        return unflatten(flat, specs)
+
+
+def _nbytes(dtype: torch.dtype, shape) -> int:
+    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+
+
+def unflatten(flat: torch.Tensor, specs) -> list[torch.Tensor]:
+    """The tensors of a flattened bucket: ``flat`` (uint8) holds each spec's ``(name, dtype,
+    shape)`` bytes back to back. Views of ``flat``, except a tensor whose offset is not a
+    multiple of its element size (e.g. float32 after an odd-length bfloat16 tensor), which
+    torch cannot view: it is copied out."""
+    out, start = [], 0
+    for _, dtype, shape in specs:
+        size = _nbytes(dtype, shape)
+        chunk = flat[start : start + size]
+        if start % max(1, torch.empty((), dtype=dtype).element_size()):
+            chunk = chunk.clone()
+        out.append(chunk.view(dtype).reshape(shape))
+        start += size
+    return out
 
 
 def create_app(state: ServerState) -> FastAPI:
