@@ -112,3 +112,25 @@ def test_rollout_config_budget():
     assert config.max_replacement_groups == 6
     with pytest.raises(ValueError, match="filter_max_resample"):
         RolloutConfig(filter_max_resample=-1)
+
+
+def test_async_pool_counts_prompts_admitted_ahead():
+    # fixed lag 2 at version 0 admits batches 0, 1, 2 (2 prompts each); a checkpoint after
+    # batch 0 must rewind by the 4 prompts of batches 1 and 2, so a resume draws them again
+    server = FakeServer("a")
+    pool = AsyncRolloutPool(
+        [server],
+        CharTokenizer(),
+        lambda text, label: 0.0,
+        records(),
+        AsyncPoolConfig(mode="fixed_lag", lag=2, prompts_per_batch=2, group_size=2),
+        SamplingParams(max_new_tokens=2),
+    )
+    pool.start()
+    try:
+        pool.get_batch(0, timeout_s=30)
+        assert [pool.drawn_from(b) for b in (0, 1, 2, 3)] == [6, 4, 2, 0]
+        pool.set_version(1)  # admits batch 3
+        assert pool.drawn_from(1) == 6
+    finally:
+        pool.stop()

@@ -187,6 +187,8 @@ class AsyncRolloutPool:
         self._next_index = 0
         self._next_group = 0
         self._replacements: dict[int, int] = {}  # batch -> replacement groups admitted
+        self._drawn = 0  # prompts taken from ``prompts``
+        self._first_draw: dict[int, int] = {}  # batch -> ``_drawn`` before its first prompt
         self._error: BaseException | None = None
         self._stopped = False
         self._started = False
@@ -309,6 +311,19 @@ class AsyncRolloutPool:
             self._admit()
             self._cond.notify_all()
 
+    def drawn_from(self, batch: int) -> int:
+        """Prompts drawn since the first prompt of ``batch`` (0 if it was not admitted yet).
+
+        A run checkpoint taken when the trainer has consumed batches ``< batch`` rewinds the
+        data position by this much, so a resumed run draws the prompts of the batches admitted
+        ahead again instead of skipping them (a replacement prompt of an earlier batch drawn
+        after that point is drawn twice; none is lost).
+        """
+        with self._cond:
+            if batch not in self._first_draw:
+                return 0
+            return self._drawn - self._first_draw[batch]
+
     def stop(self) -> None:
         """Stop the workers after their current request (servers are left running)."""
         with self._cond:
@@ -356,7 +371,9 @@ class AsyncRolloutPool:
 
     def _admit_group(self, batch: int) -> None:
         """Queue one group of the next prompt for ``batch`` (caller holds the lock)."""
+        self._first_draw.setdefault(batch, self._drawn)
         record = next(self.prompts)
+        self._drawn += 1
         group = self._next_group
         self._next_group += 1
         self._done[batch][group] = [None] * self.config.group_size

@@ -509,9 +509,10 @@ def _lead(
             )
             logger.log(step, metrics)
             followers.tell("save", step)
-            save_if_due(
-                cfg, trainer, step, version=version, initial=initial, prompts=prompts.consumed
-            )
+            drawn = prompts.consumed  # minus the prompts admitted ahead: drawn again on resume
+            if async_pool is not None:
+                drawn -= async_pool.drawn_from(step - first_step + 1)
+            save_if_due(cfg, trainer, step, version=version, initial=initial, prompts=drawn)
             progress.set_postfix(
                 reward=f"{metrics['rollout/reward']:.3f}",
                 acc=f"{metrics.get('eval/acc_greedy', float('nan')):.3f}",
@@ -548,8 +549,7 @@ def save_if_due(
 ) -> None:
     """Run checkpoint after ``step`` every ``train.save_every`` steps and after the last one
     (collective: every rank calls it; rank 0's version and data position, ``prompts``
-    consumed from the prompt stream, are written). An asynchronous pool has admitted prompts
-    ahead of the trainer: they count as consumed, so a resumed run skips them."""
+    consumed from the prompt stream by the batches trained on so far, are written)."""
     if not (should_save(step, cfg.train.save_every) or step == cfg.train.num_steps):
         return
     save_run_checkpoint(
