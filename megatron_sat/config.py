@@ -223,12 +223,26 @@ def _build(cls: type, values: dict[str, Any], prefix: str):
     kwargs = {}
     for name, value in values.items():
         factory = known[name].default_factory
-        if dataclasses.is_dataclass(factory) and isinstance(value, dict):
+        type_name = str(known[name].type)
+        if dataclasses.is_dataclass(factory):
+            if value is None:  # `section: null` / `section=null`: the section's defaults
+                value = {}
+            if not isinstance(value, dict):
+                raise ValueError(
+                    f"config section {prefix}{name} must be a mapping of fields, got {value!r}"
+                )
             kwargs[name] = _build(factory, value, f"{prefix}{name}.")
-        elif isinstance(value, list) and str(known[name].type).startswith("tuple"):
+        elif type_name.startswith(("list", "tuple")) and not type_name.endswith("| None"):
+            # a bare string would be split into characters downstream (URLs, CLI flags)
+            if not isinstance(value, (list, tuple)):
+                raise ValueError(
+                    f"config field {prefix}{name} must be a list (e.g. [a, b]), got {value!r}"
+                )
+            kwargs[name] = tuple(value) if type_name.startswith("tuple") else list(value)
+        elif isinstance(value, list) and type_name.startswith("tuple"):
             kwargs[name] = tuple(value)
         else:
-            kwargs[name] = _coerce(value, str(known[name].type), prefix + name)
+            kwargs[name] = _coerce(value, type_name, prefix + name)
     return cls(**kwargs)
 
 

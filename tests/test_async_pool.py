@@ -296,3 +296,53 @@ def test_dead_embedded_servers_are_restarted_and_resynced_before_they_serve(
     groups = [g for g, _ in seen]
     assert sorted(groups) == sorted(list(range(steps * 4)) * 2)  # each sample exactly once
     assert len({i for _, i in seen}) == len(seen)
+
+
+@pytest.mark.parametrize("on_update", ["resume", "restart"])
+def test_a_push_aborts_requests_in_flight_which_resume_or_restart(tiny_checkpoint, on_update):
+    """Bounded mode pushes with pause_mode "abort" (rl.sync_options): requests cut by the push
+    come back with finish_reason "abort" and are resumed from their partial output (every token
+    keeps the version that produced it: versions 0 then 1 in one response) or restarted from
+    the prompt (one version per response), by ``on_update``."""
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    from megatron_sat.config import load_config
+    from megatron_sat.training.rl import sync_options
+
+    cfg = load_config(None, ["rollout.mode=bounded", f"rollout.on_update={on_update}"])
+    assert sync_options(cfg, 1)["pause_mode"] == "abort"
+    tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint)
+    weights = load_file(str(tiny_checkpoint / "model.safetensors"))
+    with EmbeddedServer(tiny_checkpoint, random_seed=0) as server:
+        client = server.client()
+        with WeightUpdater([client], pause_mode="abort") as updater:
+            updater.update(weights.items(), weight_version="0")
+            pool = AsyncRolloutPool(
+                [client],
+                tokenizer,
+                lambda text, label: 0.0,
+                records(),
+                AsyncPoolConfig(
+                    mode="bounded", lag=1, prompts_per_batch=2, group_size=2, on_update=on_update
+                ),
+                SamplingParams(temperature=1.0, max_new_tokens=100),  # long enough to cut
+            )
+            pool.start()
+            try:
+                deadline = time.monotonic() + 30
+                while pool.meter.snapshot().servers[0].requests == 0:  # wait for one in flight
+                    assert time.monotonic() < deadline
+                    time.sleep(0.005)
+                updater.update(weights.items(), weight_version="1")
+                pool.set_version(1)
+                samples = pool.get_batch(0, timeout_s=60) + pool.get_batch(1, timeout_s=60)
+            finally:
+                pool.stop()
+    mixed = [s for s in samples if len(set(s.response_versions)) > 1]
+    if on_update == "resume":
+        assert pool.stats.resumed > 0 and pool.stats.restarted == 0
+        assert mixed and all(s.response_versions == sorted(s.response_versions) for s in mixed)
+        assert all(len(s.rollout_log_probs) == len(s.response_ids) for s in samples)
+    else:
+        assert pool.stats.restarted > 0 and pool.stats.resumed == 0 and not mixed

@@ -65,3 +65,14 @@ def test_config_yaml_overrides_and_errors(tmp_path):
         load_config(None, ["train.lr=nan"])
     with pytest.raises(ValueError, match="not of the form"):
         load_config(None, ["train.lr"])
+    # a bare string for a list would be split into characters (URLs, SGLang flags)
+    with pytest.raises(ValueError, match=r"rollout.server_urls must be a list .* 'http://h:1'"):
+        load_config(None, ["rollout.server_urls=http://h:1"])
+    with pytest.raises(ValueError, match="launch.sglang_args must be a list"):
+        load_config(None, ["launch.sglang_args=--enable-ep-moe"])
+    assert load_config(None, ["rollout.server_urls=[http://h:1]"]).rollout.server_urls == [
+        "http://h:1"
+    ]
+    with pytest.raises(ValueError, match="config section rollout must be a mapping"):
+        load_config(None, ["rollout=3"])
+    assert load_config(None, ["parallel=null"]).parallel == RunConfig().parallel

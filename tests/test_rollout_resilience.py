@@ -327,3 +327,45 @@ def test_sync_servers_hands_a_restarted_client_over_only_after_the_push():
         ("mark_dead", 2),
         ("replace_server", 1, "fake://b2"),
     ]
+
+
+class RefusingServer(FakeServer):
+    """Refuses (HTTP 400, as SGLang for a prompt beyond the context) any prompt of > 4 tokens."""
+
+    def generate(self, input_ids, sampling, routing=None):
+        if any(len(ids) > 4 for ids in input_ids):
+            from megatron_sat.rollout.client import SGLangRequestError
+
+            raise SGLangRequestError(f"POST {self.base_url}/generate -> HTTP 400: too long", 400)
+        return super().generate(input_ids, sampling, routing)
+
+
+def test_a_refused_request_fails_naming_the_prompt_and_keeps_the_servers():
+    from megatron_sat.rollout.client import SGLangRequestError
+
+    long_prompt = PromptRecord(prompt="12345+1=", label="12346", source_index=7)
+    servers = [RefusingServer("a"), RefusingServer("b")]
+    pool = RolloutPool(servers, CharTokenizer(), lambda t, label: 0.0, routing=None)
+    with pytest.raises(SGLangRequestError, match=r"row 7 '12345\+1='") as info:
+        pool.generate_groups([long_prompt], 2, temperature=1.0, max_new_tokens=2)
+    assert info.value.status_code == 400
+    assert pool.down_servers() == set() and pool.stats.reissued == 0  # no server condemned
+
+    prompts = iter([long_prompt] * 4)
+    apool = AsyncRolloutPool(
+        servers,
+        CharTokenizer(),
+        lambda t, label: 0.0,
+        prompts,
+        AsyncPoolConfig(mode="fixed_lag", lag=0, prompts_per_batch=1, group_size=2),
+        SamplingParams(max_new_tokens=2),
+    )
+    apool.start()
+    try:
+        with pytest.raises(RuntimeError, match="rollout pool failed") as info:
+            apool.get_batch(0, timeout_s=30)
+        assert isinstance(info.value.__cause__, SGLangRequestError)
+        assert "row 7" in str(info.value.__cause__)
+        assert apool.down_servers() == set() and apool.stats.reissued == 0
+    finally:
+        apool.stop()

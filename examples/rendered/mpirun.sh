@@ -24,6 +24,7 @@
 # batch: 4096 samples per step; per DP rank 4096 = 1024 micro-batches
 # memory per trainer GPU (bf16 params): 7,642,626,048 parameters -> params 14.2 GiB + grads 28.5 GiB + optimizer 85.4 GiB = 128.1 GiB of 140 GiB (headroom 11.9 GiB for activations)
 # memory per rollout device: bf16 weights 14.2 GiB (TP 4); the rest is the server's KV cache
+# note: objective.kl_coef > 0: the reference policy waits in host memory, 28.5 GiB per trainer rank while it is swapped in (its weights and the policy's), none on the device
 set -euo pipefail
 cd /path/to/megatron-sat
 PY=.venv/bin/python

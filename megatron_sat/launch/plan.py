@@ -268,6 +268,12 @@ def resolve_plan(cfg: Any, hf_config: dict[str, Any] | None = None) -> LaunchPla
             )
     else:
         notes.append("device cpu: memory estimate printed, not checked against a device size")
+    if cfg.objective.kl_coef > 0:
+        notes.append(
+            f"objective.kl_coef > 0: the reference policy waits in host memory, "
+            f"{2 * memory.param_bytes / GIB:.1f} GiB per trainer rank while it is swapped in "
+            "(its weights and the policy's), none on the device"
+        )
     if errors:
         raise ValueError("invalid launch configuration:\n  " + "\n  ".join(errors))
     sync_world = 1 + sum(len(s.devices) for s in servers)

@@ -43,10 +43,16 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron_sat.objectives.advantages import informative_groups
-from megatron_sat.rollout.client import GenerateOutput, SamplingParams, SGLangClient, SGLangError
+from megatron_sat.rollout.client import (
+    GenerateOutput,
+    SamplingParams,
+    SGLangClient,
+    SGLangError,
+    SGLangRequestError,
+)
 from megatron_sat.rollout.datasets import PromptRecord
 from megatron_sat.rollout.meter import ServerMeter
-from megatron_sat.rollout.pool import NoLiveServer, RewardFn, parse_weight_version
+from megatron_sat.rollout.pool import NoLiveServer, RewardFn, parse_weight_version, prompt_summary
 from megatron_sat.rollout.types import Sample
 
 MODES = ("fixed_lag", "bounded")
@@ -423,6 +429,19 @@ class AsyncRolloutPool:
                     self._sampling_for(jobs),
                     routing=self.routing,
                 )
+            except SGLangRequestError as e:
+                # The request is at fault, not the server (e.g. a prompt beyond the context):
+                # fail the run naming it rather than condemn every server in turn.
+                self.meter.end(server, failed=True)
+                records = list({id(j.record): j.record for j in jobs}.values())
+                self._fail(
+                    jobs,
+                    SGLangRequestError(
+                        f"{client.base_url} refused prompts {prompt_summary(records)}: {e}",
+                        e.status_code,
+                    ),
+                )
+                return
             except (SGLangError, OSError) as e:
                 self.meter.end(server, failed=True)
                 self._server_failed(server, generation, client, jobs, e)

@@ -45,6 +45,19 @@ class SGLangError(RuntimeError):
     """An SGLang endpoint failed or answered something we cannot use."""
 
 
+class SGLangRequestError(SGLangError):
+    """The server refused the request itself (HTTP 4xx other than 408/429: e.g. a prompt
+    longer than the context): a data or caller error, not a sign that the server is dead.
+
+    Attributes:
+        status_code: the HTTP status.
+    """
+
+    def __init__(self, message: str, status_code: int) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """The subset of SGLang's ``sampling_params`` we use; defaults are SGLang's.
@@ -419,10 +432,13 @@ class SGLangClient:
                 continue
             if response.is_success or _is_success_false(response):
                 return response
-            raise SGLangError(
+            message = (
                 f"{method} {self.base_url}{endpoint} -> HTTP {response.status_code}: "
                 f"{response.text[:1000]}"
             )
+            if 400 <= response.status_code < 500 and response.status_code not in (408, 429):
+                raise SGLangRequestError(message, response.status_code)
+            raise SGLangError(message)
         raise AssertionError("unreachable")
 
 

@@ -30,6 +30,7 @@ from megatron_sat.rollout.client import (
     SamplingParams,
     SGLangClient,
     SGLangError,
+    SGLangRequestError,
 )
 from megatron_sat.rollout.datasets import PromptRecord
 from megatron_sat.rollout.meter import ServerMeter
@@ -211,6 +212,13 @@ class RolloutPool:
             for (server, client, shard), future in zip(shards, futures, strict=True):
                 try:
                     outputs = future.result()
+                except SGLangRequestError as e:
+                    # The request is at fault, not the server: another server would refuse it
+                    # too, and marking this one dead would condemn a healthy server.
+                    raise SGLangRequestError(
+                        f"{client.base_url} refused prompts {prompt_summary(records)}: {e}",
+                        e.status_code,
+                    ) from e
                 except (SGLangError, OSError) as e:
                     # Dead or timed out: stop using it and give its share to the others.
                     errors.append(f"  {client.base_url}: {e}")
@@ -251,6 +259,12 @@ class RolloutPool:
             reward=float(self.reward_fn(text, record.label)),
             response_text=text,
         )
+
+
+def prompt_summary(records: Sequence[PromptRecord], limit: int = 3) -> str:
+    """The first few prompts of a request by dataset row, for error messages."""
+    shown = ", ".join(f"row {r.source_index} {r.prompt[:40]!r}" for r in records[:limit])
+    return shown + (f" and {len(records) - limit} more" if len(records) > limit else "")
 
 
 def informative_batch(

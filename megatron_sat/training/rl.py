@@ -353,8 +353,8 @@ def _lead(
         pools: list[RolloutPool | AsyncRolloutPool] = [pool]
         version = 0 if state is None else state.weight_version
         # Start from identical weights on both sides, tagged with the trainer's version.
-        try:
-            fleet.push(followers.hf_tensors, version)
+        try:  # through sync_servers like every push: a server restarted here reaches the pool
+            sync_servers(fleet, pools, followers.hf_tensors, version)
         finally:
             followers.finish_export()
         base_version = version  # the async pool counts batches from here
@@ -531,10 +531,14 @@ def _lead(
 
 def sync_options(cfg: RunConfig, num_servers: int) -> dict:
     """WeightUpdater options: SGLang servers given by URL join with their TP ranks over the
-    launch's backend (NCCL on GPUs); embedded CPU servers are one gloo rank each."""
+    launch's backend (NCCL on GPUs); embedded CPU servers are one gloo rank each. Bounded
+    mode pauses with "abort", so requests in flight at a push come back partial and the pool
+    resumes or restarts them (``rollout.on_update``); in the other modes nothing is in flight
+    at a push and "retract" lets a stray request finish."""
     options = weight_sync_options(cfg.launch, num_servers, os.environ)
     if not cfg.rollout.server_urls:
         options.update(backend="gloo", ranks_per_server=[1] * num_servers)
+    options["pause_mode"] = "abort" if cfg.rollout.mode == "bounded" else "retract"
     return options
 
 

@@ -38,6 +38,13 @@ from megatron_sat.training.loss_reduction import (
 )
 
 
+def _host_copy(tensor: torch.Tensor, pin: bool) -> torch.Tensor:
+    """A copy of ``tensor`` in host memory (page-locked on CUDA machines, for fast copies)."""
+    copy = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pin)
+    copy.copy_(tensor.detach())
+    return copy
+
+
 def ages_tensor(ages: Sequence[int | None], index: int, size: int) -> torch.Tensor | None:
     """[B] int64 version ages of micro-batch ``index`` (rows ``index * size`` onwards), -1 for
     a row without an age; None when no sample has an age."""
@@ -71,10 +78,12 @@ class PolicyTrainer:
         parallel: Megatron parallel layout. DP ranks start from identical weights (a
             broadcast from DP rank 0 when the DP size is > 1).
         pad_token_id: token id used for padding.
-        reference: also hold a frozen reference policy (the initial weights: ``load_from``, or
-            a copy of the random initialisation), sharded like the policy, for the k3 KL term
-            of objectives with ``kl_coef > 0`` (``rl_step`` computes its log-probs with the
-            same routing as the trained forward).
+        reference: also keep a frozen reference policy, the initial weights (``load_from``,
+            or the random initialisation), for the k3 KL term of objectives with
+            ``kl_coef > 0``. As in slime, it is this rank's shard of those weights in host
+            memory, swapped into the model for the reference's no-grad forward and swapped out
+            again (the policy's weights wait in host memory meanwhile), so it costs no device
+            memory, only two host<->device copies of the shard per step.
 
     Raises:
         ValueError: ``parallel.pipeline_model_parallel_size`` > 1 (the steps run their
@@ -113,14 +122,12 @@ class PolicyTrainer:
         model = build_gpt_model(self.hf_config, self.config)
         if load_from is not None:
             load_hf_into_model(model, load_from)
-        self.reference_model = None
+        # (parameter, its initial value in host memory); the parameter objects survive the
+        # DDP wrapping below (it re-points their storage into its buffers, values unchanged).
+        self._reference: list[tuple[torch.nn.Parameter, torch.Tensor]] | None = None
         if reference:
-            self.reference_model = build_gpt_model(self.hf_config, self.config)
-            if load_from is not None:
-                load_hf_into_model(self.reference_model, load_from)
-            else:
-                self.reference_model.load_state_dict(model.state_dict())
-            self.reference_model.eval().requires_grad_(False)
+            pin = torch.cuda.is_available()
+            self._reference = [(param, _host_copy(param, pin)) for param in model.parameters()]
         # average_in_collective=False (megatron-core's default) pre-scales dense AND expert
         # gradients by 1 / (dense DP size) before summing them over their own DP groups
         # (expert_gradient_scaling_factor in distributed_data_parallel.py). Expert weights
@@ -160,9 +167,6 @@ class PolicyTrainer:
         # R3 replay and the routing audit on this rank's tokens (the TP rank's sequence shard
         # under sequence parallelism, MoE layers only).
         self.routing = RoutingReplay(self.model)
-        self.reference_routing = (
-            None if self.reference_model is None else RoutingReplay(self.reference_model)
-        )
         self.sequence_parallel = bool(self.config.sequence_parallel)
         self.tp_size = parallel_state.get_tensor_model_parallel_world_size()
         # Sequence parallelism splits every micro-batch's sequence evenly over the TP ranks.
@@ -228,19 +232,15 @@ class PolicyTrainer:
         count = global_max(len(mbs), group)
         return list(mbs) + [self._filler_micro_batch(with_routes) for _ in range(count - len(mbs))]
 
-    def _replayed(
-        self, mb: MicroBatch, *, training: bool, routing: RoutingReplay | None = None
-    ) -> contextlib.AbstractContextManager:
+    def _replayed(self, mb: MicroBatch, *, training: bool) -> contextlib.AbstractContextManager:
         """Context in which the next forward replays ``mb``'s rollout routes (R3) in every MoE
-        router of this rank, cut to this rank's tokens (``RoutingReplay.routes_for``), of the
-        policy (default) or of the model of ``routing``."""
-        routing = routing or self.routing
+        router of this rank, cut to this rank's tokens (``RoutingReplay.routes_for``)."""
 
         @contextlib.contextmanager
         def session() -> Iterator[None]:
-            routes = routing.routes_for(mb.routes, mb.routes_valid)
-            with routing.replay({0: routes}, training=training, audit=False):
-                with routing.micro_batch(0):
+            routes = self.routing.routes_for(mb.routes, mb.routes_valid)
+            with self.routing.replay({0: routes}, training=training, audit=False):
+                with self.routing.micro_batch(0):
                     yield
 
         return session()
@@ -330,8 +330,9 @@ class PolicyTrainer:
           computed for TIS / IcePop.
         - With ``train.use_r3`` every forward that trains or sets q replays the rollout engine's
           experts; one more no-grad forward with live routing gives the live diagnostics.
-        - With ``objective.kl_coef > 0`` a no-grad forward of the frozen reference policy (same
-          routing as the trained forward) gives ``ref_log_probs`` for the k3 KL term. With
+        - With ``objective.kl_coef > 0`` a no-grad forward of the frozen reference policy (with
+          R3, the routes the trained forward replays) gives ``ref_log_probs`` for the k3 KL
+          term. With
           ``objective.entropy_coef > 0`` the trained forward also gives the policy's entropy
           over the whole (vocab-parallel) vocabulary for the entropy bonus.
         - Under EP a rank with fewer micro-batches than another rank of its expert group runs
@@ -381,7 +382,7 @@ class PolicyTrainer:
         num_tokens, num_seqs = global_loss_denominators([mb.loss_mask for mb in mbs], group)
         if num_tokens == 0:
             raise ValueError("the global batch has no response tokens to train on")
-        if objective.kl_coef > 0 and self.reference_model is None:
+        if objective.kl_coef > 0 and self._reference is None:
             raise ValueError(
                 f"ObjectiveConfig.kl_coef={objective.kl_coef} needs a reference policy: "
                 "construct the PolicyTrainer with reference=True"
@@ -496,21 +497,37 @@ class PolicyTrainer:
             replay: replay the rollout engine's experts (R3) or route live.
             reference: run the frozen reference policy instead of the policy.
         """
-        model, routing = self.model, self.routing
-        if reference:
-            model, routing = self.reference_model, self.reference_routing
-        model.eval()
+        self.model.eval()
         out = []
-        for mb in mbs:
-            ctx = (
-                self._replayed(mb, training=False, routing=routing)
-                if replay
-                else contextlib.nullcontext()
-            )
-            with ctx, capture_routing(model) as used:
-                log_probs = forward_log_probs(model, mb)
-            out.append((log_probs, self._topk_agreement(used, mb)))
+        with self._reference_weights() if reference else contextlib.nullcontext():
+            for mb in mbs:
+                ctx = self._replayed(mb, training=False) if replay else contextlib.nullcontext()
+                with ctx, capture_routing(self.model) as used:
+                    log_probs = forward_log_probs(self.model, mb)
+                out.append((log_probs, self._topk_agreement(used, mb)))
         return out
+
+    @contextlib.contextmanager
+    def _reference_weights(self) -> Iterator[None]:
+        """The model holds the reference weights inside the block, the policy's again after it
+        (bit for bit: they wait in host memory).
+
+        Raises:
+            ValueError: without a reference (``reference=False`` at construction).
+        """
+        if self._reference is None:
+            raise ValueError("this PolicyTrainer holds no reference policy (reference=False)")
+        pin = torch.cuda.is_available()
+        policy = [_host_copy(param, pin) for param, _ in self._reference]
+        with torch.no_grad():
+            for param, initial in self._reference:
+                param.copy_(initial, non_blocking=True)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for (param, _), saved in zip(self._reference, policy, strict=True):
+                    param.copy_(saved, non_blocking=True)
 
     def sft_step(self, samples: Sequence[Sample]) -> dict[str, float]:
         """One supervised step: mean negative log-likelihood of the response tokens (live
