@@ -309,6 +309,20 @@ def test_gspo_by_hand(name):
     )
 
 
+@pytest.mark.parametrize("name", ["gspo", "gspo-token", "sat-gspo"])
+def test_sequence_ratio_beyond_the_clamp_has_zero_gradient(name):
+    # log rho = 25 > 20 (MAX_ABS_LOG_RATIO): rho = exp(20) in value. With A < 0 the unclipped
+    # branch r A is the minimum, so only the clamp stops a gradient of about exp(20) A: in
+    # every form, per-token advantages (the token form's own path) included. Row 1 is inside
+    # the clamp and the trust region, and has a gradient.
+    lp = leaf([[25.0, 25.0], [0.05, 0.05]])
+    adv = torch.tensor([[-1.0, -0.5], [-1.0, -1.0]], dtype=F64)
+    mask = torch.ones(2, 2, dtype=torch.bool)
+    _, grad, _ = run(name, lp, adv, mask)
+    assert torch.equal(grad[0], torch.zeros(2, dtype=F64))
+    assert (grad[1] != 0).all()
+
+
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES)
 def test_gspo_sequence_and_token_forms_agree(mode):
     # GSPO Eqs. 13-14: same value (bitwise) and same gradient with per-sequence advantages.

@@ -260,19 +260,20 @@ def sequence_ratio(inp: LossInputs) -> Tensor:
 class _BroadcastRatio(torch.autograd.Function):
     """`s_bt = rho_b` in value with `d s_bt / d log pi_bt = s_bt`: the GSPO-token ratio.
 
-    Same value and gradient, bit for bit, as `exp(log_rho_b + (x - sg[x]))` (`x - sg[x]` is
-    exactly 0 and exp's backward multiplies by its output), without the [B, T] exp.
+    Same value and gradient, bit for bit, as `exp(clamp(log_rho_b) + (x - sg[x]))` (`x - sg[x]`
+    is exactly 0 and exp's backward multiplies by its output), without the [B, T] exp. Where
+    `log_rho_b` lies outside the clamp the gradient is 0, as through `_exp_ratio`.
     """
 
     @staticmethod
-    def forward(ctx, log_probs: Tensor, rho: Tensor) -> Tensor:
-        ctx.save_for_backward(rho)
+    def forward(ctx, log_probs: Tensor, rho: Tensor, inside: Tensor) -> Tensor:
+        ctx.save_for_backward(torch.where(inside, rho, torch.zeros_like(rho)))
         return rho.unsqueeze(-1).expand(log_probs.shape)
 
     @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
-        (rho,) = ctx.saved_tensors
-        return grad * rho.unsqueeze(-1), None
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:
+        (slope,) = ctx.saved_tensors
+        return grad * slope.unsqueeze(-1), None, None
 
 
 def _detached_sequence_log_ratio(inp: LossInputs) -> Tensor:
@@ -293,7 +294,7 @@ def sequence_token_ratio(inp: LossInputs, log_rho: Tensor | None = None) -> Tens
     if log_rho is None:
         log_rho = _detached_sequence_log_ratio(inp)
     rho = torch.exp(log_rho.clamp(-MAX_ABS_LOG_RATIO, MAX_ABS_LOG_RATIO))
-    return _BroadcastRatio.apply(inp.log_probs, rho)
+    return _BroadcastRatio.apply(inp.log_probs, rho, log_rho.abs() <= MAX_ABS_LOG_RATIO)
 
 
 # --- objectives ---------------------------------------------------------------------------------
