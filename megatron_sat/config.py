@@ -115,10 +115,15 @@ class RolloutConfig:
             )
         if self.lag < 0:
             raise ValueError(f"rollout.lag must be >= 0, got {self.lag}")
-        if self.filter_max_resample < 0:
+        if self.filter_max_resample < 0 or (self.filter_groups and self.filter_max_resample < 1):
             raise ValueError(
-                f"rollout.filter_max_resample must be >= 0, got {self.filter_max_resample}"
+                f"rollout.filter_max_resample must be >= 1 with rollout.filter_groups (0 would "
+                f"filter nothing), >= 0 otherwise; got {self.filter_max_resample}"
             )
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"rollout.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k != -1 and self.top_k < 1:
+            raise ValueError(f"rollout.top_k must be -1 (off) or >= 1, got {self.top_k}")
 
     @property
     def max_replacement_groups(self) -> int:
@@ -190,14 +195,15 @@ class RunConfig:
         # An asynchronous run (samples up to n > 1 versions old) trains one optimizer step per
         # batch, so old log-probs recomputed by the trainer are the current policy's own: the
         # ratio would be pi_j / pi_j = 1, every clip inert and the staleness unseen.
-        n = self.rollout.update_weights_interval
-        if self.objective.ratio_denominator == "recomputed_old" and n > 1:
+        n, mode = self.rollout.update_weights_interval, self.rollout.mode
+        if self.objective.ratio_denominator == "recomputed_old" and (n > 1 or mode != "sync"):
+            how = f"rollout.mode={mode}" if mode != "sync" else f"update_weights_interval={n} > 1"
             raise ValueError(
-                f"objective.ratio_denominator='recomputed_old' with "
-                f"rollout.update_weights_interval={n} > 1 (asynchronous): the recomputed "
-                "denominator would be the current policy itself (ratio 1, no clip, staleness "
-                "ignored); use objective.ratio_denominator='rollout' (the rollout engine's "
-                "log-probs, SAT paper Eq. 1) or update_weights_interval=1"
+                f"objective.ratio_denominator='recomputed_old' with rollout {how} "
+                "(asynchronous): the recomputed denominator would be the current policy itself "
+                "(ratio 1, no clip, staleness ignored); use objective.ratio_denominator="
+                "'rollout' (the rollout engine's log-probs, SAT paper Eq. 1) or synchronous "
+                "rollouts with update_weights_interval=1"
             )
         if (
             self.objective.loss_agg_mode == "seq-mean-token-sum-norm"

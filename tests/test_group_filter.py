@@ -112,6 +112,8 @@ def test_rollout_config_budget():
     assert config.max_replacement_groups == 6
     with pytest.raises(ValueError, match="filter_max_resample"):
         RolloutConfig(filter_max_resample=-1)
+    with pytest.raises(ValueError, match="0 would filter nothing"):
+        RolloutConfig(filter_groups=True, filter_max_resample=0)
 
 
 def test_async_pool_counts_prompts_admitted_ahead():

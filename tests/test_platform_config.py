@@ -76,3 +76,9 @@ def test_config_yaml_overrides_and_errors(tmp_path):
     with pytest.raises(ValueError, match="config section rollout must be a mapping"):
         load_config(None, ["rollout=3"])
     assert load_config(None, ["parallel=null"]).parallel == RunConfig().parallel
+    with pytest.raises(ValueError, match="rollout.top_p must be in"):
+        load_config(None, ["rollout.top_p=0"])
+    with pytest.raises(ValueError, match="rollout.top_k must be -1"):
+        load_config(None, ["rollout.top_k=0"])
+    with pytest.raises(ValueError, match="recomputed_old' with rollout rollout.mode=bounded"):
+        load_config(None, ["rollout.mode=bounded", "objective.ratio_denominator=recomputed_old"])

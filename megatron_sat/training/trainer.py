@@ -119,6 +119,11 @@ class PolicyTrainer:
         self.config = transformer_config_from_hf(
             self.hf_config, **parallel.sizes(), moe_enable_routing_replay=True
         )
+        # megatron-core initialises on the CPU here (use_cpu_initialization) from torch's
+        # default generator, which model_parallel_cuda_manual_seed leaves alone: seed it, as
+        # Megatron's _set_random_seed does, or every run starts from other random weights.
+        # The full matrices are drawn before the TP split, so every layout gets the same ones.
+        torch.manual_seed(train.seed)
         model = build_gpt_model(self.hf_config, self.config)
         if load_from is not None:
             load_hf_into_model(model, load_from)
