@@ -314,3 +314,9 @@ def test_run_logger(tmp_path):
     assert list((tmp_path / "run").glob("events.out.tfevents.*"))
     with pytest.raises(RuntimeError, match="closed"):
         logger.log(3, {"reward": 1.0})
+    # a crash after step 1 was logged, resumed from the step-0 checkpoint: step 1 runs again
+    with RunLogger(tmp_path / "run", resume_step=0) as logger:
+        logger.log(1, {"reward": 0.75})
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [0, 1]
+    assert json.loads(lines[1]) == {"step": 1, "reward": 0.75}

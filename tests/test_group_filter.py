@@ -131,8 +131,8 @@ def test_async_pool_counts_prompts_admitted_ahead():
     pool.start()
     try:
         pool.get_batch(0, timeout_s=30)
-        assert [pool.drawn_from(b) for b in (0, 1, 2, 3)] == [6, 4, 2, 0]
+        assert [pool.drawn_before(b) for b in (0, 1, 2, 3)] == [0, 2, 4, 6]
         pool.set_version(1)  # admits batch 3
-        assert pool.drawn_from(1) == 6
+        assert [pool.drawn_before(b) for b in (1, 3, 4)] == [2, 6, 8]
     finally:
         pool.stop()

@@ -317,18 +317,17 @@ class AsyncRolloutPool:
             self._admit()
             self._cond.notify_all()
 
-    def drawn_from(self, batch: int) -> int:
-        """Prompts drawn since the first prompt of ``batch`` (0 if it was not admitted yet).
+    def drawn_before(self, batch: int) -> int:
+        """Prompts this pool drew before the first prompt of ``batch`` (all it drew when the
+        batch is not admitted yet).
 
-        A run checkpoint taken when the trainer has consumed batches ``< batch`` rewinds the
-        data position by this much, so a resumed run draws the prompts of the batches admitted
-        ahead again instead of skipping them (a replacement prompt of an earlier batch drawn
-        after that point is drawn twice; none is lost).
+        A run checkpoint taken when the trainer has consumed batches ``< batch`` stores this as
+        the data position (plus where the pool started), so a resumed run draws the prompts of
+        the batches admitted ahead again instead of skipping them (a replacement prompt of an
+        earlier batch drawn after that point is drawn twice; none is lost).
         """
         with self._cond:
-            if batch not in self._first_draw:
-                return 0
-            return self._drawn - self._first_draw[batch]
+            return self._first_draw.get(batch, self._drawn)
 
     def stop(self) -> None:
         """Stop the workers after their current request (servers are left running)."""

@@ -339,7 +339,8 @@ def _lead(
     for _ in range(position):
         next(prompts)
     t_start = time.time()
-    with rollout_fleet(cfg) as fleet, RunLogger(run_dir) as logger:
+    resume_step = None if state is None else state.step
+    with rollout_fleet(cfg) as fleet, RunLogger(run_dir, resume_step) as logger:
         # One meter for both pools: a server is busy while either has a request on it.
         meter = ServerMeter(len(fleet.clients))
         pool = RolloutPool(
@@ -358,6 +359,7 @@ def _lead(
         finally:
             followers.finish_export()
         base_version = version  # the async pool counts batches from here
+        pool_start = prompts.consumed  # the data position where the async pool starts drawing
         async_pool = None
         if ro.mode != "sync":
             async_pool = AsyncRolloutPool(
@@ -439,6 +441,7 @@ def _lead(
         if async_pool is not None:
             async_pool.start()
         snapshot = meter.snapshot()
+        last_acc = initial["eval/acc_greedy"]  # the bar shows the latest held-out accuracy
         for step in progress:
             t0 = time.time()
             restart_s = 0.0
@@ -492,6 +495,7 @@ def _lead(
             )
             if step % cfg.train.eval_every == 0 or step == cfg.train.num_steps:
                 metrics.update(run_eval())
+                last_acc = metrics["eval/acc_greedy"]
             # Per server index, since the previous step's log (evaluation included).
             now = meter.snapshot()
             metrics.update(server_metrics(snapshot, now))
@@ -509,13 +513,13 @@ def _lead(
             )
             logger.log(step, metrics)
             followers.tell("save", step)
-            drawn = prompts.consumed  # minus the prompts admitted ahead: drawn again on resume
+            drawn = prompts.consumed  # the prompts admitted ahead are drawn again on resume
             if async_pool is not None:
-                drawn -= async_pool.drawn_from(step - first_step + 1)
+                drawn = pool_start + async_pool.drawn_before(step - first_step + 1)
             save_if_due(cfg, trainer, step, version=version, initial=initial, prompts=drawn)
             progress.set_postfix(
                 reward=f"{metrics['rollout/reward']:.3f}",
-                acc=f"{metrics.get('eval/acc_greedy', float('nan')):.3f}",
+                acc=f"{last_acc:.3f}",
             )
         final = {k: v for k, v in metrics.items() if k.startswith("eval/")}
         if async_pool is not None:

@@ -63,14 +63,26 @@ class RunLogger:
     Args:
         run_dir: Folder of the run; created if missing. An existing ``metrics.jsonl`` is appended
             to (a resumed run continues its file).
+        resume_step: the step a resumed run continues from (its checkpoint's): the steps a
+            crashed run logged after it are dropped from ``metrics.jsonl`` and purged from the
+            TensorBoard events (``SummaryWriter(purge_step=...)``), since they are run again.
     """
 
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, run_dir: Path, resume_step: int | None = None) -> None:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.run_dir / "metrics.jsonl"
         self.summary_path = self.run_dir / "summary.json"
-        self._writer: SummaryWriter | None = SummaryWriter(log_dir=str(self.run_dir))
+        purge = None
+        if resume_step is not None:
+            purge = resume_step + 1
+            if self.metrics_path.exists():
+                lines = self.metrics_path.read_text(encoding="utf-8").splitlines(keepends=True)
+                kept = [line for line in lines if json.loads(line)["step"] <= resume_step]
+                self.metrics_path.write_text("".join(kept), encoding="utf-8")
+        self._writer: SummaryWriter | None = SummaryWriter(
+            log_dir=str(self.run_dir), purge_step=purge
+        )
         self._metrics_file = self.metrics_path.open("a", encoding="utf-8")
 
     def log(self, step: int, metrics: Mapping[str, float | torch.Tensor]) -> None:
