@@ -146,6 +146,9 @@ class TrainConfig:
             every this many steps, and always after the last one; 0 = only after the last.
         resume: continue from the latest run checkpoint in ``run_dir``.
         seed: seed of data order, sampling and initialisation.
+        distributed_timeout_minutes: timeout of the trainer ranks' collectives (torchrun). The
+            ranks other than 0 wait in one while rank 0 generates and evaluates, so it must
+            exceed the longest rollout + evaluation phase (NCCL's default is 10 minutes).
     """
 
     num_steps: int = 40
@@ -160,9 +163,11 @@ class TrainConfig:
     save_every: int = 0
     resume: bool = False
     seed: int = 1234
+    distributed_timeout_minutes: float = 120.0
 
     def __post_init__(self) -> None:
         _positive("train", self, "num_steps", "micro_batch_size", "lr", "eval_every")
+        _positive("train", self, "distributed_timeout_minutes")
         if self.save_every < 0:
             raise ValueError(f"train.save_every must be >= 0, got {self.save_every}")
 

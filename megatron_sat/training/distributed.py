@@ -6,6 +6,7 @@ creates and destroys it.
 
 from __future__ import annotations
 
+import datetime
 import os
 import socket
 from dataclasses import dataclass
@@ -55,9 +56,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed(parallel: ParallelConfig, seed: int = 1234) -> None:
+def init_distributed(
+    parallel: ParallelConfig, seed: int = 1234, timeout_minutes: float | None = None
+) -> None:
     """Initialise torch.distributed (from torchrun's env, or a 1-process world) and
     megatron-core's model-parallel groups and RNG tracker. Idempotent for the same layout.
+    ``timeout_minutes`` (None: torch's default) bounds every collective of the world and of
+    megatron-core's groups; it applies only when this call creates the world.
 
     Raises:
         ValueError: when the world size does not fit the layout (TP*PP and ETP*EP*PP must
@@ -65,11 +70,12 @@ def init_distributed(parallel: ParallelConfig, seed: int = 1234) -> None:
             first: ``destroy_distributed``), which would otherwise be kept silently.
     """
     apply_cpu_shims()
+    timeout = None if timeout_minutes is None else datetime.timedelta(minutes=timeout_minutes)
     if not torch.distributed.is_initialized():
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         if "RANK" in os.environ:  # torchrun, srun or mpirun (launch code maps their variables)
-            torch.distributed.init_process_group(backend=default_backend())
+            torch.distributed.init_process_group(backend=default_backend(), timeout=timeout)
         else:
             # A 1-process world without touching os.environ: child processes (servers,
             # launchers) must not inherit a fake torchrun rank.
@@ -78,6 +84,7 @@ def init_distributed(parallel: ParallelConfig, seed: int = 1234) -> None:
                 init_method=f"tcp://127.0.0.1:{free_port()}",
                 rank=0,
                 world_size=1,
+                timeout=timeout,
             )
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
@@ -107,6 +114,7 @@ def init_distributed(parallel: ParallelConfig, seed: int = 1234) -> None:
         pipeline_model_parallel_size=pp,
         expert_model_parallel_size=ep,
         expert_tensor_parallel_size=etp,
+        distributed_timeout_minutes=int(timeout_minutes or 30),
     )
     model_parallel_cuda_manual_seed(seed)
 

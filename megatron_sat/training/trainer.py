@@ -112,7 +112,9 @@ class PolicyTrainer:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-        init_distributed(parallel, seed=train.seed)
+        init_distributed(
+            parallel, seed=train.seed, timeout_minutes=train.distributed_timeout_minutes
+        )
         self.train_config = train
         self.pad_token_id = pad_token_id
         self.hf_config = hf_config
