@@ -4,12 +4,36 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 os.environ.setdefault("OMP_NUM_THREADS", "2")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_torchrun(
+    script: str, *args: str, done: str, timeout: int = 600, env: dict | None = None
+) -> subprocess.CompletedProcess:
+    """``torchrun --nproc_per_node=2 script args`` from the repository root (one thread per rank,
+    this checkout's package first on the path); asserts exit 0 and the ``done`` marker in
+    stdout, showing the tails of both streams otherwise."""
+    torchrun = Path(sys.executable).with_name("torchrun")
+    full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), **(env or {}))
+    proc = subprocess.run(
+        [str(torchrun), "--standalone", "--nproc_per_node=2", script, *args],
+        cwd=ROOT,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0 and done in proc.stdout, proc.stdout[-4000:] + proc.stderr[-8000:]
+    return proc
+
 
 TINY_CONFIG = dict(
     architectures=["Qwen3MoeForCausalLM"],

@@ -7,13 +7,11 @@ PolicyTrainer run checkpoint at DP2."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import run_torchrun
 
 from megatron_sat.checkpoint import convert
 from megatron_sat.checkpoint.hf_io import read_hf_tensors
@@ -27,12 +25,9 @@ LAYOUTS = ("tp2", "ep2", "pp2", "ep2_ckpt_at_ep1")
 @pytest.fixture(scope="module")
 def launch(tmp_path_factory) -> tuple[dict, Path]:
     root = tmp_path_factory.mktemp("ckpt_parallel")
-    torchrun = Path(sys.executable).with_name("torchrun")
-    cmd = [str(torchrun), "--nproc_per_node=2", "tests/dist/ckpt_parallel.py", str(root)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = run_torchrun("tests/dist/ckpt_parallel.py", str(root), done="CKPT_RESULT ")
     lines = [line for line in proc.stdout.splitlines() if line.startswith("CKPT_RESULT ")]
-    assert proc.returncode == 0 and len(lines) == 1, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert len(lines) == 1, proc.stdout[-3000:]
     return json.loads(lines[0][len("CKPT_RESULT ") :]), root
 
 

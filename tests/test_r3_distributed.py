@@ -8,12 +8,10 @@ must be visibly wrong, so the comparison can fail."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from conftest import run_torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 EXPECTED = {
@@ -28,13 +26,9 @@ EXPECTED = {
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict[tuple[str, int], dict]:
-    torchrun = Path(sys.executable).with_name("torchrun")
-    cmd = [str(torchrun), "--nproc_per_node=2", "tests/dist/r3_parallel.py"]
     result_dir = tmp_path_factory.mktemp("r3_results")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), R3_RESULT_DIR=str(result_dir))
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0 and "R3_DONE" in proc.stdout, (
-        proc.stdout[-3000:] + proc.stderr[-6000:]
+    run_torchrun(
+        "tests/dist/r3_parallel.py", done="R3_DONE", env={"R3_RESULT_DIR": str(result_dir)}
     )
     out = {}
     for path in sorted(result_dir.glob("rank*.jsonl")):

@@ -9,12 +9,10 @@ push itself: a push missing a TP shard or an EP rank's experts would show as a l
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from conftest import run_torchrun
 
 from megatron_sat.rollout.arith import make_arith_splits
 
@@ -51,13 +49,7 @@ def runs(tmp_path_factory, tiny_checkpoint) -> dict[str, Path]:
         f"{name}=" + ";".join([*common, f"run_dir={tmp / name}", *extra])
         for name, extra in LAYOUTS.items()
     ]
-    torchrun = Path(sys.executable).with_name("torchrun")
-    cmd = [str(torchrun), "--nproc_per_node=2", "tests/dist/rl_parallel.py", *argv]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0 and "RL_PARALLEL_DONE" in proc.stdout, (
-        proc.stdout[-3000:] + proc.stderr[-8000:]
-    )
+    run_torchrun("tests/dist/rl_parallel.py", *argv, done="RL_PARALLEL_DONE", timeout=900)
     return {name: tmp / name for name in LAYOUTS}
 
 

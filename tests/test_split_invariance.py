@@ -7,15 +7,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import pickle
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from conftest import run_torchrun
 
 from megatron_sat.config import TrainConfig, load_config
 from megatron_sat.objectives import (
@@ -248,20 +246,8 @@ def dp_run(tmp_path_factory, trainer, batch, tiny_checkpoint, tiny_hf_config):
         "rl_overrides": rl_overrides,
     }
     (tmp / "spec.pkl").write_bytes(pickle.dumps(spec))
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        str(ROOT / "tests" / "dist" / "dp_split_invariance.py"),
-        str(tmp / "spec.pkl"),
-        str(tmp),
-    ]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0 and "DP_DONE" in proc.stdout, (
-        proc.stdout[-4000:] + proc.stderr[-8000:]
+    run_torchrun(
+        "tests/dist/dp_split_invariance.py", str(tmp / "spec.pkl"), str(tmp), done="DP_DONE"
     )
     return torch.load(tmp / "result.pt", weights_only=False), tmp
 

@@ -9,12 +9,10 @@ server's weight_version."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from conftest import run_torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 CASES = ("tp2", "ep2")
@@ -22,13 +20,10 @@ CASES = ("tp2", "ep2")
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict:
-    torchrun = Path(sys.executable).with_name("torchrun")
     out_dir = tmp_path_factory.mktemp("sync_parity")
-    cmd = [str(torchrun), "--nproc_per_node=2", "tests/dist/sync_parity.py", str(out_dir)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = run_torchrun("tests/dist/sync_parity.py", str(out_dir), done="SYNC_PARITY_RESULT ")
     lines = [line for line in proc.stdout.splitlines() if line.startswith("SYNC_PARITY_RESULT ")]
-    assert proc.returncode == 0 and len(lines) == 1, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert len(lines) == 1, proc.stdout[-3000:]
     return json.loads(lines[0][len("SYNC_PARITY_RESULT ") :])
 
 

@@ -9,16 +9,14 @@ Two control cases break the data-parallel loss scale and the TP gradient sum and
 from __future__ import annotations
 
 import importlib.util
-import os
 import pickle
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from conftest import run_torchrun
 
 from megatron_sat.config import TrainConfig
 from megatron_sat.objectives import ObjectiveConfig, compute_grpo_advantages
@@ -172,23 +170,15 @@ def parallel_run(tmp_path_factory, reference, tiny_checkpoint, tiny_hf_config):
         "refusal_after": "tp2_sp",
     }
     (tmp / "spec.pkl").write_bytes(pickle.dumps(spec))
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        str(ROOT / "tests" / "dist" / "trainer_parallel.py"),
+    start = time.perf_counter()
+    run_torchrun(
+        "tests/dist/trainer_parallel.py",
         str(tmp / "spec.pkl"),
         str(tmp),
-    ]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    start = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    wall = time.perf_counter() - start
-    assert proc.returncode == 0 and "TRAINER_PARALLEL_DONE" in proc.stdout, (
-        proc.stdout[-4000:] + proc.stderr[-8000:]
+        done="TRAINER_PARALLEL_DONE",
+        timeout=900,
     )
+    wall = time.perf_counter() - start
     return torch.load(tmp / "result.pt", weights_only=False), wall
 
 
