@@ -8,6 +8,7 @@ import itertools
 import threading
 
 import pytest
+from test_async_pool import CharTokenizer, records
 
 from megatron_sat.rollout.async_pool import AsyncPoolConfig, AsyncRolloutPool
 from megatron_sat.rollout.client import GenerateOutput, SamplingParams, SGLangClient, SGLangError
@@ -17,19 +18,6 @@ from megatron_sat.rollout.fleet import PushReport, RolloutFleet, sync_servers
 from megatron_sat.rollout.meter import ServerMeter, server_metrics
 from megatron_sat.rollout.pool import NoLiveServer, RolloutPool
 from megatron_sat.weight_sync.broadcast import UpdateStats
-
-
-def records():
-    for i in itertools.count():
-        yield PromptRecord(prompt=f"{i % 50}+1=", label=str(i % 50 + 1), source_index=i)
-
-
-class CharTokenizer:
-    def encode(self, text):
-        return [ord(c) for c in text]
-
-    def decode(self, ids, skip_special_tokens=True):
-        return "".join(chr(i) for i in ids if 32 <= i < 127)
 
 
 class FakeClock:
