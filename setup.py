@@ -16,6 +16,7 @@ setup(
         "safetensors==0.8.0",
         "math-verify==0.9.0",
         "tensorboard==2.21.0",
+        "matplotlib==3.10.3",
         "tqdm==4.70.1",
         "pyyaml==6.0.3",
         "pyarrow==26.0.1",

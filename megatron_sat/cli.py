@@ -8,6 +8,7 @@ Subcommands:
                script of a config
   eval         avg@n and pass@k of a checkpoint on a held-out set through rollout servers
   convert      checkpoint conversion (arguments of megatron_sat.checkpoint.convert)
+  plot         a PNG of the curves of one or more runs, side by side
 """
 
 from __future__ import annotations
@@ -104,6 +105,18 @@ def _launch(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plot(args: argparse.Namespace) -> int:
+    from megatron_sat.training.run_plots import plot_runs
+
+    try:
+        panels = plot_runs(args.run_dirs, args.out)
+    except (OSError, ValueError) as e:
+        print(f"megatron-sat plot: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.out}: {', '.join(panels)}")
+    return 0
+
+
 def _eval(args: argparse.Namespace) -> int:
     from megatron_sat.launch.eval_job import EvalOptions, run_eval
 
@@ -182,6 +195,10 @@ def main(argv: list[str] | None = None) -> int:
     ev.add_argument("--label-key", help="dataset key of the answer (e.g. answer)")
     ev.add_argument("overrides", nargs="*", help="section.field=value overrides")
     ev.set_defaults(func=_eval)
+    pl = sub.add_parser("plot", help="PNG of the curves of one or more runs (metrics.jsonl)")
+    pl.add_argument("run_dirs", nargs="+", help="run directories to compare")
+    pl.add_argument("--out", default="runs/plot.png", help="PNG to write")
+    pl.set_defaults(func=_plot)
     args = parser.parse_args(argv)
     return args.func(args)
 
