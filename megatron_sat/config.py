@@ -249,6 +249,11 @@ def _build(cls: type, values: dict[str, Any], prefix: str):
                 raise ValueError(
                     f"config field {prefix}{name} must be a list (e.g. [a, b]), got {value!r}"
                 )
+            if type_name == "list[str]" and not all(isinstance(v, str) for v in value):
+                raise ValueError(
+                    f"config field {prefix}{name} must be a list of strings (quote numbers, "
+                    f"e.g. ['--tp', '2']), got {value!r}"
+                )
             kwargs[name] = tuple(value) if type_name.startswith("tuple") else list(value)
         elif isinstance(value, list) and type_name.startswith("tuple"):
             kwargs[name] = tuple(value)
@@ -278,7 +283,11 @@ def _coerce(value: Any, type_name: str, where: str) -> Any:
 def _set_path(tree: dict[str, Any], dotted: str, value: Any) -> None:
     keys = dotted.split(".")
     for key in keys[:-1]:
-        tree = tree.setdefault(key, {})
+        if tree.get(key) is None:  # absent, or `section: null` (its defaults)
+            tree[key] = {}
+        tree = tree[key]
+        if not isinstance(tree, dict):
+            raise ValueError(f"override {dotted}: {key} is not a config section")
     tree[keys[-1]] = value
 
 

@@ -320,3 +320,9 @@ def test_run_logger(tmp_path):
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == [0, 1]
     assert json.loads(lines[1]) == {"step": 1, "reward": 0.75}
+    # a crash in the middle of writing a line: the fragment goes too
+    with (tmp_path / "run" / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 2, "rew')
+    RunLogger(tmp_path / "run", resume_step=1).close()
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [0, 1]

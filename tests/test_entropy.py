@@ -61,3 +61,17 @@ def test_forward_with_entropy_keeps_the_log_probs(megatron_world, tiny_checkpoin
     assert torch.equal(log_probs, plain)  # the same vocab-parallel cross entropy
     torch.testing.assert_close(entropy.double(), reference_entropy(logits), rtol=0, atol=2e-6)
     assert entropy.shape == plain.shape
+    # one row per micro-batch: megatron-core's cross entropy works in place on the logits,
+    # which the transpose of a single row does not copy; entropy and its gradient must not see it
+    trainer.train_config = TrainConfig(micro_batch_size=1)
+    weight = trainer.model.module.output_layer.weight
+    for one in trainer.micro_batches(samples[:3], torch.zeros(3), False):
+        log_probs, entropy = forward_log_probs_and_entropy(trainer.model, one)
+        (grad,) = torch.autograd.grad(entropy.sum(), weight)
+        logits = trainer.model(one.input_ids, one.position_ids, one.attention_mask)
+        log_p = torch.log_softmax(logits, dim=-1)
+        want = -(log_p.exp() * log_p).sum(-1)
+        (want_grad,) = torch.autograd.grad(want.sum(), weight)
+        torch.testing.assert_close(entropy, want, rtol=0, atol=2e-6)
+        torch.testing.assert_close(grad, want_grad, rtol=1e-4, atol=1e-6)
+        assert torch.equal(log_probs, forward_log_probs(trainer.model, one))

@@ -76,6 +76,10 @@ def test_config_yaml_overrides_and_errors(tmp_path):
     with pytest.raises(ValueError, match="config section rollout must be a mapping"):
         load_config(None, ["rollout=3"])
     assert load_config(None, ["parallel=null"]).parallel == RunConfig().parallel
+    path.write_text("rollout: null\n")
+    assert load_config(path, ["rollout.group_size=4"]).rollout.group_size == 4
+    with pytest.raises(ValueError, match=r"launch.sglang_args must be a list of strings"):
+        load_config(None, ["launch.sglang_args=[--tp, 2]"])
     with pytest.raises(ValueError, match="rollout.top_p must be in"):
         load_config(None, ["rollout.top_p=0"])
     with pytest.raises(ValueError, match="rollout.top_k must be -1"):

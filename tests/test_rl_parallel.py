@@ -71,3 +71,32 @@ def test_rl_loop_at_model_parallel_layout(runs, layout):
     assert rows[1]["train/kl_loss"] == 0.0 and rows[-1]["train/kl_loss"] > 0.0
     summary = json.loads((run / "summary.json").read_text())
     assert summary["num_steps"] == 3 and (run / "checkpoint" / "config.json").exists()
+
+
+@pytest.mark.slow
+def test_a_failure_of_rank_0_inside_a_step_ends_the_job_promptly(tmp_path, tiny_checkpoint):
+    """Rank 0 raises inside a train step while rank 1 is in the step's collectives (EP2): the
+    job must end with rank 0's error well before the collective timeout (1 minute here), not
+    wait for it in an abort broadcast rank 1 cannot reach."""
+    train, test = make_arith_splits(16, 4, seed=0, max_digits=1)
+    for name, rows in (("train", train), ("test", test)):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    overrides = [
+        f"init_checkpoint={tiny_checkpoint}",
+        f"run_dir={tmp_path / 'run'}",
+        f"data.train_path={tmp_path / 'train.jsonl'}",
+        f"data.eval_path={tmp_path / 'test.jsonl'}",
+        "data.num_eval_prompts=2",
+        "rollout.prompts_per_step=2",
+        "rollout.group_size=2",
+        "rollout.max_new_tokens=2",
+        "rollout.eval_samples_per_prompt=1",
+        "train.num_steps=2",
+        "train.micro_batch_size=2",
+        "train.distributed_timeout_minutes=1",
+        "parallel.expert_model_parallel_size=2",
+    ]
+    with pytest.raises(AssertionError, match="injected failure on rank 0"):
+        run_torchrun(
+            "tests/dist/rl_abort.py", "abort=" + ";".join(overrides), done="never", timeout=45
+        )

@@ -318,13 +318,16 @@ def test_sync_servers_hands_a_restarted_client_over_only_after_the_push():
 
 
 class RefusingServer(FakeServer):
-    """Refuses (HTTP 400, as SGLang for a prompt beyond the context) any prompt of > 4 tokens."""
+    """Refuses (HTTP 400, as SGLang for a prompt beyond the context) any prompt of > 4 tokens,
+    naming its index in the batch as the embedded server does."""
 
     def generate(self, input_ids, sampling, routing=None):
-        if any(len(ids) > 4 for ids in input_ids):
-            from megatron_sat.rollout.client import SGLangRequestError
+        for i, ids in enumerate(input_ids):
+            if len(ids) > 4:
+                from megatron_sat.rollout.client import SGLangRequestError
 
-            raise SGLangRequestError(f"POST {self.base_url}/generate -> HTTP 400: too long", 400)
+                message = f"POST {self.base_url}/generate -> HTTP 400: prompt {i}: too long"
+                raise SGLangRequestError(message, 400)
         return super().generate(input_ids, sampling, routing)
 
 
@@ -332,10 +335,12 @@ def test_a_refused_request_fails_naming_the_prompt_and_keeps_the_servers():
     from megatron_sat.rollout.client import SGLangRequestError
 
     long_prompt = PromptRecord(prompt="12345+1=", label="12346", source_index=7)
+    short = [PromptRecord(prompt="1+1", label="2", source_index=i) for i in range(3)]
     servers = [RefusingServer("a"), RefusingServer("b")]
     pool = RolloutPool(servers, CharTokenizer(), lambda t, label: 0.0, routing=None)
-    with pytest.raises(SGLangRequestError, match=r"row 7 '12345\+1='") as info:
-        pool.generate_groups([long_prompt], 2, temperature=1.0, max_new_tokens=2)
+    # among four prompts of one request, the one refused is named
+    with pytest.raises(SGLangRequestError, match=r"refused prompt row 7 '12345\+1='") as info:
+        pool.generate_groups([*short, long_prompt], 1, temperature=1.0, max_new_tokens=2)
     assert info.value.status_code == 400
     assert pool.down_servers() == set() and pool.stats.reissued == 0  # no server condemned
 

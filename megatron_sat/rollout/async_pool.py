@@ -52,7 +52,7 @@ from megatron_sat.rollout.client import (
 )
 from megatron_sat.rollout.datasets import PromptRecord
 from megatron_sat.rollout.meter import ServerMeter
-from megatron_sat.rollout.pool import NoLiveServer, RewardFn, parse_weight_version, prompt_summary
+from megatron_sat.rollout.pool import NoLiveServer, RewardFn, parse_weight_version, refused_prompts
 from megatron_sat.rollout.types import Sample
 
 MODES = ("fixed_lag", "bounded")
@@ -432,11 +432,11 @@ class AsyncRolloutPool:
                 # The request is at fault, not the server (e.g. a prompt beyond the context):
                 # fail the run naming it rather than condemn every server in turn.
                 self.meter.end(server, failed=True)
-                records = list({id(j.record): j.record for j in jobs}.values())
+                sent = [j.record for j in jobs]
                 self._fail(
                     jobs,
                     SGLangRequestError(
-                        f"{client.base_url} refused prompts {prompt_summary(records)}: {e}",
+                        f"{client.base_url} refused {refused_prompts(e, sent)}: {e}",
                         e.status_code,
                     ),
                 )

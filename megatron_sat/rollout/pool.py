@@ -17,6 +17,7 @@ a server is back.
 from __future__ import annotations
 
 import itertools
+import re
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -215,8 +216,9 @@ class RolloutPool:
                 except SGLangRequestError as e:
                     # The request is at fault, not the server: another server would refuse it
                     # too, and marking this one dead would condemn a healthy server.
+                    sent = [records[requests[i][0]] for i in shard]
                     raise SGLangRequestError(
-                        f"{client.base_url} refused prompts {prompt_summary(records)}: {e}",
+                        f"{client.base_url} refused {refused_prompts(e, sent)}: {e}",
                         e.status_code,
                     ) from e
                 except (SGLangError, OSError) as e:
@@ -265,6 +267,15 @@ def prompt_summary(records: Sequence[PromptRecord], limit: int = 3) -> str:
     """The first few prompts of a request by dataset row, for error messages."""
     shown = ", ".join(f"row {r.source_index} {r.prompt[:40]!r}" for r in records[:limit])
     return shown + (f" and {len(records) - limit} more" if len(records) > limit else "")
+
+
+def refused_prompts(error: Exception, sent: Sequence[PromptRecord]) -> str:
+    """The prompt a server refused in a batched request, when its message says which
+    (``prompt <i>``, the embedded server's form); else the prompts of the request."""
+    match = re.search(r"\bprompt (\d+)\b", str(error))
+    if match and int(match[1]) < len(sent):
+        return "prompt " + prompt_summary([sent[int(match[1])]])
+    return f"a request of {len(sent)} prompts: " + prompt_summary(sent)
 
 
 def informative_batch(

@@ -7,6 +7,7 @@ creates and destroys it.
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import socket
 from dataclasses import dataclass
@@ -114,7 +115,8 @@ def init_distributed(
         pipeline_model_parallel_size=pp,
         expert_model_parallel_size=ep,
         expert_tensor_parallel_size=etp,
-        distributed_timeout_minutes=int(timeout_minutes or 30),
+        # megatron-core takes whole minutes: round up, never to 0
+        distributed_timeout_minutes=math.ceil(timeout_minutes) if timeout_minutes else 30,
     )
     model_parallel_cuda_manual_seed(seed)
 

@@ -94,10 +94,14 @@ def forward_log_probs_and_entropy(
     from megatron.core import tensor_parallel
 
     logits = model(batch.input_ids, batch.position_ids, batch.attention_mask)  # [N, S, V/TP]
+    # Entropy first: megatron-core's cross entropy overwrites its input in place, and with one
+    # row the transposed logits are the logits themselves (no copy). The entropy's backward
+    # keeps tensors of its own, not the logits.
+    entropy = vocab_parallel_entropy(logits)
     log_probs = -tensor_parallel.vocab_parallel_cross_entropy(
         logits.transpose(0, 1).contiguous(), batch.labels.transpose(0, 1).contiguous()
     ).transpose(0, 1)
-    return log_probs.float(), vocab_parallel_entropy(logits)
+    return log_probs.float(), entropy
 
 
 def routing_agreement(

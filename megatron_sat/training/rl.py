@@ -220,18 +220,33 @@ class _Followers:
     the collective action it names; the followers run ``follow``. Commands: ``step``, ``export``
     (walk ``trainer.hf_tensors()`` to the end), ``save`` (arg: the step), ``done`` and
     ``abort`` (rank 0 failed: the followers raise instead of waiting forever).
+
+    ``busy`` is true from ``tell`` of a collective action until rank 0 calls ``idle`` after
+    finishing its own part: a failure on rank 0 in between leaves the followers inside that
+    action's collectives, where an ``abort`` broadcast would only meet them at the timeout;
+    rank 0 then exits without it and the launcher tears the job down.
     """
 
     def __init__(self, trainer: PolicyTrainer) -> None:
         self.trainer = trainer
         self.active = dist.is_initialized() and dist.get_world_size() > 1
         self.done = False
+        self.busy = False
         self._export: Iterator | None = None
 
     def tell(self, command: str, arg: int | None = None) -> None:
         if self.active:
             dist.broadcast_object_list([command, arg], src=0)
         self.done |= command == "done"
+        self.busy = command in ("step", "export", "save")
+
+    def idle(self) -> None:
+        """Rank 0 finished its part of the last collective action."""
+        self.busy = False
+
+    def can_abort(self) -> bool:
+        """Whether the followers wait at the channel, where ``abort`` reaches them."""
+        return not (self.busy or self.done)
 
     def hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """``trainer.hf_tensors()`` for the fleet, mirrored by every follower. A push may stop
@@ -247,6 +262,7 @@ class _Followers:
             for _ in self._export:
                 pass
             self._export = None
+            self.idle()
 
     @staticmethod
     def follow(trainer: PolicyTrainer, cfg: RunConfig) -> None:
@@ -308,7 +324,7 @@ def run_rl(cfg: RunConfig) -> dict:
     try:
         summary = _lead(cfg, trainer, tokenizer, state, first_step, followers)
     except BaseException:
-        if not followers.done:  # after "done" they are in the final checkpoint's collectives
+        if followers.can_abort():
             followers.tell("abort")
         raise
     return summary
@@ -472,6 +488,7 @@ def _lead(
             metrics = batch_metrics(samples, version)
             followers.tell("step")
             train = distributed_rl_step(trainer, samples, advantages, cfg, version)
+            followers.idle()
             metrics.update({f"train/{k}": v for k, v in train.items()})
             version += 1
             t_sync = 0.0
@@ -517,6 +534,7 @@ def _lead(
             if async_pool is not None:
                 drawn = pool_start + async_pool.drawn_before(step - first_step + 1)
             save_if_due(cfg, trainer, step, version=version, initial=initial, prompts=drawn)
+            followers.idle()
             progress.set_postfix(
                 reward=f"{metrics['rollout/reward']:.3f}",
                 acc=f"{last_acc:.3f}",

@@ -78,7 +78,13 @@ class RunLogger:
             purge = resume_step + 1
             if self.metrics_path.exists():
                 lines = self.metrics_path.read_text(encoding="utf-8").splitlines(keepends=True)
-                kept = [line for line in lines if json.loads(line)["step"] <= resume_step]
+                kept = [line for line in lines[:-1] if json.loads(line)["step"] <= resume_step]
+                if lines:  # a crash can cut the last line short: drop it then
+                    try:
+                        if json.loads(lines[-1])["step"] <= resume_step:
+                            kept.append(lines[-1])
+                    except json.JSONDecodeError:
+                        pass
                 self.metrics_path.write_text("".join(kept), encoding="utf-8")
         self._writer: SummaryWriter | None = SummaryWriter(
             log_dir=str(self.run_dir), purge_step=purge

@@ -124,8 +124,11 @@ class PolicyTrainer:
         # megatron-core initialises on the CPU here (use_cpu_initialization) from torch's
         # default generator, which model_parallel_cuda_manual_seed leaves alone: seed it, as
         # Megatron's _set_random_seed does, or every run starts from other random weights.
-        # The full matrices are drawn before the TP split, so every layout gets the same ones.
-        torch.manual_seed(train.seed)
+        # Full matrices are drawn before the TP split, so TP layouts get the single-rank
+        # weights; each EP rank draws only its local experts, so it gets its own seed (else
+        # experts e and e + E/EP would start equal). Dense weights are then made equal across
+        # data-parallel ranks by the DDP broadcast below.
+        torch.manual_seed(train.seed + 1000 * parallel_state.get_expert_model_parallel_rank())
         model = build_gpt_model(self.hf_config, self.config)
         if load_from is not None:
             load_hf_into_model(model, load_from)
