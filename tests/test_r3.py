@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from dist.r3_common import make_samples
 from transformers import AutoModelForCausalLM
 
 from megatron_sat.config import TrainConfig
@@ -219,31 +220,6 @@ def build_model(hf_config, mtp: bool = False, **overrides):
     )
 
 
-def random_samples(lengths, hf_config, seed=0):
-    """Samples with random tokens and random routes, distinct experts per token and layer."""
-    gen = torch.Generator().manual_seed(seed)
-    layers, experts = hf_config["num_hidden_layers"], hf_config["num_experts"]
-    top_k = hf_config["num_experts_per_tok"]
-    out = []
-    for i, (p, r) in enumerate(lengths):
-        ids = torch.randint(3, hf_config["vocab_size"], (p + r,), generator=gen).tolist()
-        routes = torch.rand(p + r - 1, layers, experts, generator=gen).argsort(-1)[..., :top_k]
-        out.append(
-            Sample(
-                index=i,
-                group_index=i,
-                prompt="",
-                label="",
-                prompt_ids=ids[:p],
-                response_ids=ids[p:],
-                rollout_log_probs=[0.0] * r,
-                response_versions=[0] * r,
-                routed_experts=routes.numpy().astype(np.uint8),
-            )
-        )
-    return out
-
-
 def routing_shape(hf_config):
     return (hf_config["num_hidden_layers"], hf_config["num_experts_per_tok"], 8)
 
@@ -270,7 +246,7 @@ def test_dense_layouts_map_every_moe_layer_to_its_own_rows(megatron_world, patte
     hf = dict(HF4, **pattern)
     model = build_model(hf)
     assert model.config.moe_layer_freq == [int(n in moe_layers) for n in range(1, 5)]
-    samples = random_samples([(4, 5), (3, 2)], hf)
+    samples = make_samples([(4, 5), (3, 2)], hf)
     mb = build_micro_batch(samples, [1.0, 1.0], pad_token_id=0, routing_shape=routing_shape(hf))
     controller, routes, report, _ = replay_forward(model, mb)
     assert controller.layers == moe_layers
@@ -319,7 +295,7 @@ def test_mtp_layers_never_receive_decoder_routes(megatron_world):
 
     handle = mtp_router.register_forward_hook(hook)
     mb = build_micro_batch(
-        random_samples([(4, 4)], hf), [1.0], pad_token_id=0, routing_shape=routing_shape(hf)
+        make_samples([(4, 4)], hf), [1.0], pad_token_id=0, routing_shape=routing_shape(hf)
     )
     try:
         _, routes, report, _ = replay_forward(model, mb)
@@ -339,7 +315,7 @@ def test_model_built_twice_replays_only_the_live_one(megatron_world):
     second = build_model(HF4)
     assert len(RouterReplay.global_router_replay_instances) == before + 4  # stale ones stay
     mb = build_micro_batch(
-        random_samples([(5, 6), (2, 4)], HF4), [1.0, 1.0], pad_token_id=0, routing_shape=(4, 2, 8)
+        make_samples([(5, 6), (2, 4)], HF4), [1.0, 1.0], pad_token_id=0, routing_shape=(4, 2, 8)
     )
     controller, routes, report, _ = replay_forward(second, mb)
     for layer in range(1, 5):
@@ -355,7 +331,7 @@ def test_missing_targets_and_misuse_raise(megatron_world):
     model = build_model(HF4)
     controller = RoutingReplay(model)
     mb = build_micro_batch(
-        random_samples([(3, 3)], HF4), [1.0], pad_token_id=0, routing_shape=(4, 2, 8)
+        make_samples([(3, 3)], HF4), [1.0], pad_token_id=0, routing_shape=(4, 2, 8)
     )
     routes = controller.routes_for(mb.routes, mb.routes_valid)
     partial = MicroBatchRoutes({k: v for k, v in routes.targets.items() if k != 3}, routes.real)
@@ -402,7 +378,7 @@ def test_unsupported_router_settings_are_refused(megatron_world):
 def test_record_then_replay_after_the_policy_moved_and_audit(megatron_world):
     model = build_model(HF4)
     mb = build_micro_batch(
-        random_samples([(6, 6), (4, 3)], HF4), [1.0, 1.0], pad_token_id=0, routing_shape=(4, 2, 8)
+        make_samples([(6, 6), (4, 3)], HF4), [1.0, 1.0], pad_token_id=0, routing_shape=(4, 2, 8)
     )
     controller = RoutingReplay(model)
     with controller.record(training=False) as recorded, controller.micro_batch(0):
@@ -447,7 +423,7 @@ def test_record_then_replay_after_the_policy_moved_and_audit(megatron_world):
 def test_replayed_gates_come_from_the_trainers_full_scores(megatron_world, norm_topk_prob):
     model = build_model(dict(HF4, norm_topk_prob=norm_topk_prob))
     mb = build_micro_batch(
-        random_samples([(5, 5)], HF4), [1.0], pad_token_id=0, routing_shape=(4, 2, 8)
+        make_samples([(5, 5)], HF4), [1.0], pad_token_id=0, routing_shape=(4, 2, 8)
     )
     router = find_routers(model)[2]
     seen = {}
@@ -474,7 +450,7 @@ def test_packed_rows_equal_padded_samples_and_isolate_them(megatron_world):
     from megatron_sat.training.packing import pack_micro_batches
 
     model = build_model(HF4)
-    samples = random_samples([(4, 6), (3, 2), (6, 5), (2, 7)], HF4)
+    samples = make_samples([(4, 6), (3, 2), (6, 5), (2, 7)], HF4)
     adv = [1.0, -1.0, 0.5, 2.0]
     padded = build_micro_batch(samples, adv, pad_token_id=0, routing_shape=(4, 2, 8))
     packed = pack_micro_batches(
@@ -574,7 +550,7 @@ def test_cpu_shim_builds_torch_norms_under_sequence_parallel():
 
 def test_forward_backward_refuses_rescaling_configs(megatron_world):
     model = build_model(HF4, calculate_per_token_loss=False)
-    mb = build_micro_batch(random_samples([(3, 3)], HF4), [1.0], pad_token_id=0)
+    mb = build_micro_batch(make_samples([(3, 3)], HF4), [1.0], pad_token_id=0)
     with pytest.raises(ValueError, match="calculate_per_token_loss=True"):
         forward_backward([model], [mb], lambda lp, b, i: (lp.sum(), {}))
 
@@ -583,7 +559,7 @@ def test_packed_rope_follows_position_ids(megatron_world):
     from megatron_sat.training.packing import pack_micro_batches, use_position_ids_for_rope
 
     model = build_model(HF4)
-    samples = random_samples([(4, 6), (3, 2)], HF4)
+    samples = make_samples([(4, 6), (3, 2)], HF4)
     packed = pack_micro_batches(samples, [1.0, 1.0], pad_token_id=0, max_tokens_per_row=24)[0]
     assert packed.position_ids[0, 9:12].tolist() == [9, 0, 1]  # sample 1 starts at 10
     seen = []
@@ -613,7 +589,7 @@ def test_recompute_reuses_its_own_micro_batchs_routes(megatron_world):
     controller = RoutingReplay(model)
     mbs = [
         build_micro_batch(
-            random_samples([(4, 4), (3, 5)], HF4, seed=seed),
+            make_samples([(4, 4), (3, 5)], HF4, seed=seed),
             [1.0, 1.0],
             pad_token_id=0,
             routing_shape=(4, 2, 8),

@@ -14,28 +14,17 @@ import re
 import numpy as np
 import torch
 
+from megatron_sat.checkpoint.tiny_models import TINY_CONFIGS
 from megatron_sat.rollout.types import Sample
 
+# The tiny Qwen3-MoE of the checkpoint tests, with 4 layers and 8 experts (PP2 x EP2 divide
+# them) and room for the packed rows.
 HF_CONFIG = dict(
+    TINY_CONFIGS["Qwen3MoeForCausalLM"],
     architectures=["Qwen3MoeForCausalLM"],
-    model_type="qwen3_moe",
-    vocab_size=64,
-    hidden_size=32,
     num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    intermediate_size=48,
-    moe_intermediate_size=16,
     num_experts=8,
-    num_experts_per_tok=2,
-    norm_topk_prob=True,
-    decoder_sparse_step=1,
-    mlp_only_layers=[],
     max_position_embeddings=128,
-    rms_norm_eps=1e-6,
-    rope_parameters={"rope_theta": 10000.0, "rope_type": "default"},
-    tie_word_embeddings=False,
 )
 
 
