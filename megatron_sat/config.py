@@ -138,6 +138,11 @@ class TrainConfig:
     Attributes:
         num_steps: trainer (optimizer) steps.
         micro_batch_size: samples per micro-batch (gradients accumulate over the step).
+        max_tokens_per_micro_batch: token budget per micro-batch and rank instead of a fixed
+            count (slime's ``max_tokens_per_gpu``): samples grouped by length, each
+            micro-batch's padded rows x length / CP within it
+            (``training.micro_batches.token_budget_micro_batches``; ``micro_batch_size`` is
+            then unused). None: fixed count.
         lr: Adam learning rate (constant).
         adam_beta1, adam_beta2, weight_decay, clip_grad: Adam and gradient-norm clipping.
         use_r3: replay the rollout engine's experts in the trainer (R3).
@@ -153,6 +158,7 @@ class TrainConfig:
 
     num_steps: int = 40
     micro_batch_size: int = 256
+    max_tokens_per_micro_batch: int | None = None
     lr: float = 1e-4
     adam_beta1: float = 0.9
     adam_beta2: float = 0.98
@@ -168,6 +174,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         _positive("train", self, "num_steps", "micro_batch_size", "lr", "eval_every")
         _positive("train", self, "distributed_timeout_minutes")
+        if self.max_tokens_per_micro_batch is not None:
+            _positive("train", self, "max_tokens_per_micro_batch")
         if self.save_every < 0:
             raise ValueError(f"train.save_every must be >= 0, got {self.save_every}")
 

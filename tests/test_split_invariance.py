@@ -25,6 +25,7 @@ from megatron_sat.objectives import (
 from megatron_sat.rollout.arith import make_arith_splits
 from megatron_sat.rollout.types import Sample
 from megatron_sat.training.distributed import ParallelConfig
+from megatron_sat.training.micro_batches import token_budget_micro_batches
 from megatron_sat.training.trainer import PolicyTrainer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -140,13 +141,15 @@ def batch(trainer, tiny_hf_config):
     return samples, compute_grpo_advantages(rewards, GROUP_SIZE)
 
 
-def step(trainer, samples, advantages, case, micro_batch_size):
-    """rl_step with the given micro-batch size; returns (metrics, flat gradient) and restores
-    the weights so that every call starts from the same policy."""
+def step(trainer, samples, advantages, case, micro_batch_size, max_tokens=None):
+    """rl_step with the given micro-batch size (or token budget); returns (metrics, flat
+    gradient) and restores the weights so that every call starts from the same policy."""
     params = [p for _, p in trainer.model.named_parameters()]
     saved = [p.detach().clone() for p in params]
     base = trainer.train_config
-    trainer.train_config = dataclasses.replace(base, micro_batch_size=micro_batch_size)
+    trainer.train_config = dataclasses.replace(
+        base, micro_batch_size=micro_batch_size, max_tokens_per_micro_batch=max_tokens
+    )
     try:
         metrics = trainer.rl_step(
             samples,
@@ -190,6 +193,26 @@ def test_four_micro_batches_equal_one(trainer, batch, reference, case):
     samples, advantages = batch
     four = step(trainer, samples, advantages, case, micro_batch_size=6)
     assert_same_step(four, reference[case["name"]], case["name"])
+
+
+# 24 samples of 2..12 tokens: about 4 rows per micro-batch, regrouped by length.
+TOKEN_BUDGET = 40
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
+def test_token_budget_micro_batches_equal_one(trainer, batch, reference, case):
+    samples, advantages = batch
+    rows = token_budget_micro_batches([s.num_tokens for s in samples], TOKEN_BUDGET)
+    assert len(rows) >= 5 and [i for r in rows for i in r] != list(range(len(samples)))
+    grouped = step(trainer, samples, advantages, case, len(samples), max_tokens=TOKEN_BUDGET)
+    assert_same_step(grouped, reference[case["name"]], case["name"])
+
+
+def test_token_budget_refuses_a_sample_longer_than_the_budget(trainer, batch):
+    samples, advantages = batch
+    longest = max(samples, key=lambda s: s.num_tokens)
+    with pytest.raises(ValueError, match=f"sample {longest.index} has {longest.num_tokens} tok"):
+        step(trainer, samples, advantages, CASES[0], 4, max_tokens=longest.num_tokens - 1)
 
 
 def test_reference_exercises_clips_gate_and_ages(reference):

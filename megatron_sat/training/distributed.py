@@ -28,17 +28,25 @@ class ParallelConfig:
         expert_tensor_parallel_size: TP degree inside the experts. 1 (every expert whole on
             one rank, the usual MoE layout and the launch plan's) unless set; megatron-core's
             own default would be the TP size.
+        context_parallel_size: CP degree: every sequence split over CP ranks by megatron-core's
+            load-balanced split (``training.context_parallel``). Attention under CP is
+            transformer-engine's, so CP > 1 is refused without CUDA (``init_distributed``).
     """
 
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
     expert_model_parallel_size: int = 1
     expert_tensor_parallel_size: int = 1
+    context_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         for name, value in self.sizes().items():
             if value < 1:
                 raise ValueError(f"parallel.{name} must be >= 1, got {value}")
+        if self.context_parallel_size < 1:
+            raise ValueError(
+                f"parallel.context_parallel_size must be >= 1, got {self.context_parallel_size}"
+            )
 
     def sizes(self) -> dict[str, int]:
         """The four sizes by field name (also the ``transformer_config_from_hf`` keywords)."""
@@ -66,10 +74,19 @@ def init_distributed(
     megatron-core's groups; it applies only when this call creates the world.
 
     Raises:
-        ValueError: when the world size does not fit the layout (TP*PP and ETP*EP*PP must
-            divide it), or megatron-core is already initialised at another layout (destroy it
-            first: ``destroy_distributed``), which would otherwise be kept silently.
+        ValueError: when the world size does not fit the layout (TP*CP*PP and ETP*EP*PP must
+            divide it), CP > 1 without CUDA (attention under CP needs transformer-engine), or
+            megatron-core is already initialised at another layout (destroy it first:
+            ``destroy_distributed``), which would otherwise be kept silently.
     """
+    cp = parallel.context_parallel_size
+    if cp > 1 and not torch.cuda.is_available():
+        raise ValueError(
+            f"parallel.context_parallel_size={cp} on a machine without CUDA: attention under "
+            "context parallelism is transformer-engine's (TEDotProductAttention's ring "
+            "attention); megatron-core's local attention, the CPU path, has none. Use "
+            "context_parallel_size=1 here"
+        )
     apply_cpu_shims()
     timeout = None if timeout_minutes is None else datetime.timedelta(minutes=timeout_minutes)
     if not torch.distributed.is_initialized():
@@ -93,9 +110,10 @@ def init_distributed(
     world = torch.distributed.get_world_size()
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
     ep, etp = parallel.expert_model_parallel_size, parallel.expert_tensor_parallel_size
-    if world % (tp * pp) or world % (etp * ep * pp):
+    if world % (tp * cp * pp) or world % (etp * ep * pp):
         raise ValueError(
-            f"world size {world} is not divisible by TP*PP={tp * pp} and ETP*EP*PP={etp * ep * pp}"
+            f"world size {world} is not divisible by TP*CP*PP={tp * cp * pp} and "
+            f"ETP*EP*PP={etp * ep * pp}"
         )
     if ps.model_parallel_is_initialized():
         have = ParallelConfig(
@@ -103,6 +121,7 @@ def init_distributed(
             ps.get_pipeline_model_parallel_world_size(),
             ps.get_expert_model_parallel_world_size(),
             ps.get_expert_tensor_parallel_world_size(),
+            ps.get_context_parallel_world_size(),
         )
         if have != parallel:
             raise ValueError(
@@ -115,6 +134,7 @@ def init_distributed(
         pipeline_model_parallel_size=pp,
         expert_model_parallel_size=ep,
         expert_tensor_parallel_size=etp,
+        context_parallel_size=cp,
         # megatron-core takes whole minutes: round up, never to 0
         distributed_timeout_minutes=math.ceil(timeout_minutes) if timeout_minutes else 30,
     )

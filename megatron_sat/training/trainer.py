@@ -36,6 +36,10 @@ from megatron_sat.training.loss_reduction import (
     global_sat_quantile,
     group_size,
 )
+from megatron_sat.training.micro_batches import (
+    fixed_count_micro_batches,
+    token_budget_micro_batches,
+)
 
 
 def _host_copy(tensor: torch.Tensor, pin: bool) -> torch.Tensor:
@@ -45,10 +49,10 @@ def _host_copy(tensor: torch.Tensor, pin: bool) -> torch.Tensor:
     return copy
 
 
-def ages_tensor(ages: Sequence[int | None], index: int, size: int) -> torch.Tensor | None:
-    """[B] int64 version ages of micro-batch ``index`` (rows ``index * size`` onwards), -1 for
-    a row without an age; None when no sample has an age."""
-    rows = ages[index * size : (index + 1) * size]
+def ages_tensor(ages: Sequence[int | None], positions: Sequence[int]) -> torch.Tensor | None:
+    """[B] int64 version ages of the micro-batch holding the samples at ``positions`` (its
+    rows, in order), -1 for a row without an age; None when no sample has an age."""
+    rows = [ages[i] for i in positions]
     if all(a is None for a in rows):
         return None
     return torch.tensor([-1 if a is None else a for a in rows], dtype=torch.int64)
@@ -183,22 +187,42 @@ class PolicyTrainer:
         self.pad_to_multiple_of = self.tp_size if self.sequence_parallel else 1
 
     # -- batches -------------------------------------------------------------------------
+    def micro_batch_rows(self, samples: Sequence[Sample]) -> list[list[int]]:
+        """Per micro-batch, the positions in ``samples`` of its rows: consecutive slices of
+        ``train.micro_batch_size``, or, with ``train.max_tokens_per_micro_batch``, samples
+        grouped by length under that padded-token budget (``training.micro_batches``; a sample
+        longer than the budget raises ValueError naming it)."""
+        budget = self.train_config.max_tokens_per_micro_batch
+        if budget is None:
+            return fixed_count_micro_batches(len(samples), self.train_config.micro_batch_size)
+        return token_budget_micro_batches(
+            [s.num_tokens for s in samples],
+            budget,
+            pad_to_multiple_of=self.pad_to_multiple_of,
+            names=[s.index for s in samples],
+        )
+
     def micro_batches(
-        self, samples: Sequence[Sample], advantages: torch.Tensor, with_routes: bool
+        self,
+        samples: Sequence[Sample],
+        advantages: torch.Tensor,
+        with_routes: bool,
+        rows: list[list[int]] | None = None,
     ) -> list[MicroBatch]:
-        """Split ``samples`` into micro-batches of ``train.micro_batch_size``, each padded to a
-        sequence length divisible by the TP size under sequence parallelism (padding has no
-        active token and causal attention, so it changes no log-prob of a real token)."""
-        size = self.train_config.micro_batch_size
+        """Split ``samples`` into micro-batches (``rows``, default ``micro_batch_rows``), each
+        padded to a sequence length divisible by the TP size under sequence parallelism
+        (padding has no active token and causal attention, so it changes no log-prob of a real
+        token)."""
+        rows = self.micro_batch_rows(samples) if rows is None else rows
         return [
             build_micro_batch(
-                samples[i : i + size],
-                advantages[i : i + size],
+                [samples[i] for i in positions],
+                advantages[positions],
                 pad_token_id=self.pad_token_id,
                 routing_shape=self.routing_shape if with_routes else None,
                 pad_to_multiple_of=self.pad_to_multiple_of,
             )
-            for i in range(0, len(samples), size)
+            for positions in rows
         ]
 
     def _filler_micro_batch(self, with_routes: bool) -> MicroBatch:
@@ -386,7 +410,8 @@ class PolicyTrainer:
             )
         group = parallel_state.get_data_parallel_group()
         use_r3 = self.train_config.use_r3
-        mbs = self.micro_batches(samples, advantages, with_routes=True)
+        rows = self.micro_batch_rows(samples)
+        mbs = self.micro_batches(samples, advantages, with_routes=True, rows=rows)
         forwards = self._with_fillers(mbs, with_routes=True)
         ages = self._sample_ages(samples, trainer_version)
         num_tokens, num_seqs = global_loss_denominators([mb.loss_mask for mb in mbs], group)
@@ -466,7 +491,7 @@ class PolicyTrainer:
                     global_num_tokens=num_tokens,
                     global_num_seqs=num_seqs,
                     sat_quantile=quantile,
-                    sample_age=ages_tensor(ages, i, self.train_config.micro_batch_size),
+                    sample_age=ages_tensor(ages, rows[i]),
                     entropy=entropy,
                 )
                 (loss * scale).backward()
