@@ -5,6 +5,15 @@ Field names, request and response shapes follow sglang 0.5.23 (``srt/managers/io
 calls are retried on connection errors and HTTP 503; the weight-update calls are never retried,
 because they are one half of a collective whose other half (the broadcast) cannot be replayed.
 Every error names the server URL and the endpoint.
+
+Authentication (``megatron_sat.rollout.auth``): with ``keys``, each call carries
+``Authorization: Bearer <key>``, the API key on normal routes (``/generate``, ``/model_info``)
+and the admin key (the API key when the server has no admin key) on SGLang's admin routes.
+Weight updates (sglang 0.5.23 ``scheduler_components/weight_updater.py``): every
+``/update_weights_from_distributed`` must fall between ``/begin_weight_update`` and
+``/end_weight_update``; outside a session SGLang answers 400 ``{"success": false, "message":
+"update_weights_from_distributed must run between begin_weight_update() and
+end_weight_update()"}`` before it joins the broadcast.
 """
 
 from __future__ import annotations
@@ -18,6 +27,7 @@ from typing import Any
 import httpx
 import numpy as np
 
+from megatron_sat.rollout.auth import ServerKeys
 from megatron_sat.routing.payload import decode_routed_experts
 
 # SGLang treats temperature below this as greedy (temperature 1, top_k 1):
@@ -169,6 +179,8 @@ class SGLangClient:
         timeout_s: timeout of every HTTP call, seconds (generation included).
         max_retries: extra attempts of idempotent calls on connection errors / HTTP 503.
         retry_backoff_s: sleep before the first retry, doubled after each.
+        keys: the server's API / admin API keys (SGLang's ``--api-key``, ``--admin-api-key``);
+            None for a server started without keys.
     """
 
     def __init__(
@@ -178,6 +190,7 @@ class SGLangClient:
         *,
         max_retries: int = 3,
         retry_backoff_s: float = 0.5,
+        keys: ServerKeys | None = None,
     ) -> None:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
@@ -187,6 +200,7 @@ class SGLangClient:
         self.timeout_s = timeout_s
         self.max_retries = max_retries
         self.retry_backoff_s = retry_backoff_s
+        self.keys = keys or ServerKeys()
         self._http = httpx.Client(base_url=self.base_url, timeout=timeout_s)
 
     def __repr__(self) -> str:
@@ -306,10 +320,27 @@ class SGLangClient:
 
     # ---- status -----------------------------------------------------------------------------
 
-    def health(self) -> bool:
-        """GET /health: True on HTTP 200, False on any other status or a connection error."""
+    def health(self, timeout_s: float | None = None) -> bool:
+        """GET /health: True on HTTP 200, False on any other status or a connection error.
+
+        SGLang's /health runs a one-token generation: on a paused server it waits and answers
+        503 after ``SGLANG_HEALTH_CHECK_TIMEOUT`` (20 s), and marks the server unhealthy. Ask
+        :meth:`alive` about a server that may be paused.
+        """
         try:
-            return self._http.get("/health").status_code == 200
+            timeout = self.timeout_s if timeout_s is None else timeout_s
+            return self._http.get("/health", timeout=timeout).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    def alive(self, timeout_s: float | None = None) -> bool:
+        """GET /model_info: True on HTTP 200. SGLang answers it from the HTTP process without
+        the scheduler, so a paused server answers at once: liveness of the server process
+        that is safe to ask while generation may be paused."""
+        try:
+            timeout = self.timeout_s if timeout_s is None else timeout_s
+            headers = self.keys.header_for("/model_info")
+            return self._http.get("/model_info", timeout=timeout, headers=headers).is_success
         except httpx.TransportError:
             return False
 
@@ -333,7 +364,9 @@ class SGLangClient:
         self._request("POST", "/continue_generation", {}, retry=True)
 
     def flush_cache(self) -> None:
-        """POST /flush_cache (SGLang refuses while requests run; that raises SGLangError)."""
+        """POST /flush_cache. SGLang refuses it (HTTP 400, text body) while requests are running
+        or queued; a server paused with mode "retract" or "abort" has none, one paused with
+        "in_place" keeps its running requests and refuses. Raises SGLangRequestError then."""
         self._request("POST", "/flush_cache", None, retry=True)
 
     # ---- weight update (never retried) ------------------------------------------------------
@@ -362,6 +395,23 @@ class SGLangClient:
         }
         self._check_success(self._request("POST", "/init_weights_update_group", body))
 
+    def begin_weight_update(self, selector: str = "all") -> None:
+        """POST /begin_weight_update ``{"selector": ...}``: open SGLang's weight-update session.
+
+        Raises:
+            SGLangError: with the server's message (e.g. a session is already open).
+        """
+        body = {"selector": selector}
+        self._check_success(self._request("POST", "/begin_weight_update", body))
+
+    def end_weight_update(self) -> None:
+        """POST /end_weight_update ``{}``: close the session (SGLang then finalises weights).
+
+        Raises:
+            SGLangError: with the server's message (e.g. no session is open).
+        """
+        self._check_success(self._request("POST", "/end_weight_update", {}))
+
     def destroy_weights_update_group(self, group_name: str) -> None:
         """POST /destroy_weights_update_group."""
         body = {"group_name": group_name}
@@ -381,7 +431,8 @@ class SGLangClient:
     ) -> None:
         """POST /update_weights_from_distributed; returns after the server loaded the tensors.
 
-        The caller must broadcast the tensors (in ``names`` order, src rank 0) concurrently.
+        The caller must broadcast the tensors (in ``names`` order, src rank 0) concurrently,
+        inside a session (:meth:`begin_weight_update` ... :meth:`end_weight_update`).
 
         Raises:
             SGLangError: with the server's message (it names a rejected parameter).
@@ -417,7 +468,9 @@ class SGLangClient:
         delay = self.retry_backoff_s
         for attempt in range(attempts):
             try:
-                response = self._http.request(method, endpoint, json=body)
+                response = self._http.request(
+                    method, endpoint, json=body, headers=self.keys.header_for(endpoint)
+                )
             except httpx.TransportError as e:
                 if attempt + 1 < attempts and isinstance(
                     e, (httpx.ConnectError, httpx.ConnectTimeout)

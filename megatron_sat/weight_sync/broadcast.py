@@ -41,9 +41,11 @@ class WeightUpdater:
     before it, ``world_size`` = 1 + all server ranks) to every server concurrently while it
     builds rank 0 of the group.
 
-    One ``update(named_tensors, weight_version)``:
+    One ``update(named_tensors, weight_version)`` (sglang 0.5.23's protocol):
 
-    1. ``/pause_generation`` (``pause_mode``) on every server, then ``/flush_cache``.
+    1. ``/pause_generation`` (``pause_mode``) on every server, then ``/begin_weight_update``
+       (``{"selector": "all"}``): SGLang refuses ``/update_weights_from_distributed`` outside
+       such a session (HTTP 400, before joining the broadcast).
     2. Tensors are packed in the caller's order into buckets of at most ``bucket_bytes`` (a
        larger tensor travels alone), each bucket ordered by element size (``pack_order``) so
        that every tensor is aligned in the flattened bytes. Per bucket,
@@ -51,18 +53,29 @@ class WeightUpdater:
        ...), ``shapes`` and ``group_name`` is posted to every server concurrently while rank 0
        broadcasts each tensor of the bucket, in order, with its own dtype (by default
        flattened into one uint8 broadcast per bucket, SGLang's ``flattened_bucket``); then
-       every reply is awaited. Only the final bucket carries
-       ``weight_version`` (and ``flush_cache=True``), so a server's version changes only once
-       all of its buckets loaded.
-    3. ``/continue_generation`` on every server.
+       every reply is awaited. Only the final bucket carries ``weight_version``, so a
+       server's version changes only once all of its buckets loaded. The cache flush is
+       SGLang's own, after loading (``flush_cache`` of the request; SGLang fails the update
+       if the flush is refused because requests run or wait): on the final bucket for pause
+       modes "abort" (nothing left) and "retract" (running requests went back to the waiting
+       queue, which a paused server's flush ignores); never for "in_place", whose paused
+       requests stay in the running batch with their KV cache, so a flush is refused until
+       they finish -- keeping that cache across the update is what "in_place" means. No
+       separate ``/flush_cache`` call: one before the update would be refused under
+       "in_place", and the cache it clears is refilled by nothing while generation is paused.
+    3. ``/end_weight_update`` (``{}``), then ``/continue_generation``, on every server.
 
-    Failures: a server validates each request before loading it (see the embedded server's
-    docstring: a mismatching request is still received, then rejected whole, naming each bad
-    parameter). If no server applied any bucket yet, generation is resumed and
-    ``WeightSyncError`` raised: weights and versions are unchanged. If some bucket was already
-    applied somewhere, the servers hold a mix of old and new weights under the old version, so
-    they are left paused and ``WeightSyncError`` says so: retry ``update`` (it ends with
-    ``/continue_generation``). Buckets are lazy: at most two are materialised at a time.
+    Failures: a failure inside the session (a rejected bucket, a failed call) first ends the
+    session on every server that began one (``/end_weight_update``): SGLang refuses a second
+    ``/begin_weight_update`` while one is open, so a retry could not start otherwise;
+    ``weight_version`` stays the old one. A server validates each request before loading it
+    (see the embedded server's docstring: a mismatching request is still received, then
+    rejected whole, naming each bad parameter). If no server applied any bucket yet,
+    generation is resumed and ``WeightSyncError`` raised: weights and versions are unchanged.
+    If some bucket was already applied somewhere, the servers hold a mix of old and new
+    weights under the old version, so they are left paused and ``WeightSyncError`` says so:
+    retry ``update`` (it ends with ``/continue_generation``). Buckets are lazy: at most two
+    are materialised at a time.
 
     Args:
         clients: one client per server.
@@ -193,9 +206,10 @@ class WeightUpdater:
         start = time.perf_counter()
         num_tensors = num_bytes = num_buckets = 0
         applied_somewhere = False
+        began: list[SGLangClient] = []
         try:
             self._on_all_servers("pause_generation", lambda c: c.pause_generation(self.pause_mode))
-            self._on_all_servers("flush_cache", lambda c: c.flush_cache())
+            self._begin_sessions(began)
             seen: set[str] = set()
             buckets = _buckets(named_tensors, self.bucket_bytes)
             bucket = next(buckets, None)
@@ -223,7 +237,14 @@ class WeightUpdater:
                 num_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
                 num_buckets += 1
                 bucket = following
+            ending, began = began, []
+            self._on_servers("end_weight_update", ending, lambda c: c.end_weight_update())
         except (WeightSyncError, ValueError) as e:
+            if began:
+                try:
+                    self._on_servers("end_weight_update", began, lambda c: c.end_weight_update())
+                except WeightSyncError as end_error:
+                    e = WeightSyncError(f"{e}\n{end_error}")
             if applied_somewhere:
                 raise WeightSyncError(
                     f"{e}\nSome servers already loaded earlier buckets; all servers stay paused "
@@ -259,7 +280,7 @@ class WeightUpdater:
                 [list(t.shape) for t in tensors],
                 group_name=self.group_name,
                 weight_version=weight_version,
-                flush_cache=weight_version is not None,
+                flush_cache=weight_version is not None and self.pause_mode != "in_place",
                 load_format=load_format,
             )
             for c in self.clients
@@ -295,11 +316,26 @@ class WeightUpdater:
         torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors], out=flat)
         return flat
 
-    def _on_all_servers(self, what: str, call: Callable[[SGLangClient], None]) -> None:
-        self._raise_failures(what, [self._pool.submit(call, c) for c in self.clients])
+    def _begin_sessions(self, began: list[SGLangClient]) -> None:
+        """``/begin_weight_update`` on every server; ``began`` gets those that opened one."""
+        futures = [self._pool.submit(c.begin_weight_update) for c in self.clients]
+        for client, future in zip(self.clients, futures, strict=True):
+            if future.exception() is None:
+                began.append(client)
+        self._raise_failures("begin_weight_update", futures)
 
-    def _raise_failures(self, what: str, futures: list[Future]) -> None:
-        failures = _failures(self.clients, futures)
+    def _on_all_servers(self, what: str, call: Callable[[SGLangClient], None]) -> None:
+        self._on_servers(what, self.clients, call)
+
+    def _on_servers(
+        self, what: str, clients: Sequence[SGLangClient], call: Callable[[SGLangClient], None]
+    ) -> None:
+        self._raise_failures(what, [self._pool.submit(call, c) for c in clients], clients)
+
+    def _raise_failures(
+        self, what: str, futures: list[Future], clients: Sequence[SGLangClient] | None = None
+    ) -> None:
+        failures = _failures(self.clients if clients is None else clients, futures)
         if failures:
             raise WeightSyncError(f"{what} failed:\n" + "\n".join(failures))
 

@@ -2,13 +2,35 @@
 
 Run: ``python -m megatron_sat.rollout.embedded.server --model-path DIR --host 127.0.0.1
 --port P --random-seed S [--enable-return-routed-experts] [--max-running-requests N]
-[--dist-timeout SECONDS]`` (flags spelled as ``sglang.launch_server``'s).
+[--dist-timeout SECONDS] [--api-key K] [--admin-api-key K] [--config KEYS.yaml]`` (flags
+spelled as ``sglang.launch_server``'s; ``--config`` is SGLang's YAML of flags, here only
+``api_key`` / ``admin_api_key``, so keys need not appear on a command line).
 
 Endpoints and JSON as sglang 0.5.23 (``srt/entrypoints/http_server.py``, ``io_struct.py``):
-``/health``, ``/model_info`` (carries ``weight_version``), ``/generate`` (token ids in, token ids
-out, as SGLang with ``--skip-tokenizer-init``: no ``text``), ``/flush_cache``,
-``/pause_generation``, ``/continue_generation``, ``/init_weights_update_group``,
-``/destroy_weights_update_group``, ``/update_weights_from_distributed``.
+``/health`` and ``/health_generate``, ``/ready``, ``/model_info`` (carries ``weight_version``),
+``/generate`` (token ids in, token ids out, as SGLang with ``--skip-tokenizer-init``: no
+``text``), ``/flush_cache``, ``/pause_generation``, ``/continue_generation``,
+``/init_weights_update_group``, ``/destroy_weights_update_group``, ``/begin_weight_update``,
+``/end_weight_update``, ``/update_weights_from_distributed``. SGLang's behaviour we follow
+(each checked in its source; ``tests/test_sglang_conformance.py`` compares):
+
+- Auth (``srt/utils/auth.py``): ``--api-key`` / ``--admin-api-key`` and the three auth levels,
+  decided by ``megatron_sat.rollout.auth.decide_request_auth`` (SGLang's rule); refused
+  requests get 401 ``{"error": "Unauthorized"}`` or 403 ``{"error": "Forbidden"}``.
+- ``/update_weights_from_distributed`` outside a ``/begin_weight_update`` ...
+  ``/end_weight_update`` session: HTTP 400 ``{"success": false, "message":
+  "update_weights_from_distributed must run between begin_weight_update() and
+  end_weight_update()"}``, without joining the broadcast. A second begin, or an end without a
+  session, is 400 with SGLang's messages.
+- ``/health`` (= ``/health_generate``; SGLang's default ``SGLANG_ENABLE_HEALTH_ENDPOINT_
+  GENERATION=1``) stands for a one-token generation: while generation is paused it waits, and
+  answers 503 once ``SGLANG_HEALTH_CHECK_TIMEOUT`` seconds (default 20; read from the
+  environment as SGLang does, fractional values allowed here) pass without a resume.
+  ``/ready`` is 503 while paused. ``/model_info`` answers at once, paused or not.
+- ``/flush_cache`` is refused (HTTP 400, text ``Flush cache failed.``) while requests run or
+  (unpaused) wait, as SGLang's scheduler ``flush_cache``; an update with ``flush_cache`` true
+  (SGLang's default) in that state loads the weights, then fails with SGLang's message and
+  leaves ``weight_version`` unchanged.
 
 Deliberate differences from SGLang, each loud rather than silent:
 
@@ -16,10 +38,12 @@ Deliberate differences from SGLang, each loud rather than silent:
   HTTP 400 naming the field, instead of being honoured.
 - ``return_routed_experts`` without ``--enable-return-routed-experts`` is HTTP 400 (SGLang
   silently omits the field).
-- There is no prefix cache, so ``/flush_cache`` has nothing to drop and always succeeds.
-- Pause modes "retract" and "in_place" let the running batch finish before the pause returns;
-  queued requests wait until ``/continue_generation``. "abort" (SGLang's default) stops the
-  running batch after its current decode step and aborts queued requests
+- There is no prefix cache, so a permitted ``/flush_cache`` has nothing to drop.
+- Pause mode "in_place" suspends the running batch after its current decode step with its KV
+  cache (as SGLang) and resumes it at ``/continue_generation``; "retract" lets the running
+  batch finish before the pause returns (SGLang retracts it to the waiting queue and recomputes
+  it later); queued requests wait until ``/continue_generation``. "abort" (SGLang's default)
+  stops the running batch after its current decode step and aborts queued requests
   (finish_reason ``{"type": "abort", ...}``, partial outputs kept).
 
 Failed weight updates (the protocol, chosen so that no side can hang): the handler validates the
@@ -56,9 +80,16 @@ from typing import Any
 
 import torch
 import uvicorn
+import yaml
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
+from megatron_sat.rollout.auth import (
+    ENDPOINT_AUTH_LEVELS,
+    AuthLevel,
+    auth_error_body,
+    decide_request_auth,
+)
 from megatron_sat.rollout.client import PAUSE_MODES, SamplingParams
 from megatron_sat.rollout.embedded.engine import EngineOutput, EngineRequest, GenerationEngine
 from megatron_sat.routing.payload import encode_routed_experts
@@ -66,6 +97,20 @@ from megatron_sat.weight_sync.group import WeightUpdateGroup, create_weight_upda
 
 logger = logging.getLogger("megatron_sat.embedded")
 LOAD_FORMATS = (None, "flattened_bucket")
+SELECTORS = ("target", "draft", "all")  # io_struct.BeginWeightUpdateReqInput.selector
+# SGLang's texts (http_server.flush_cache, scheduler_components/weight_updater.py).
+FLUSH_OK = (
+    "Cache flushed.\nPlease check backend logs for more details. "
+    "(When there are running or waiting requests, the operation will not be performed.)\n"
+)
+FLUSH_FAILED = "Flush cache failed.\n"
+FLUSH_AFTER_UPDATE_FAILED = (
+    "Weights were updated, but the cache was not flushed because requests are still running "
+    "or queued. Retract or finish them, then call /flush_cache."
+)
+OUTSIDE_SESSION = (
+    "update_weights_from_distributed must run between begin_weight_update() and end_weight_update()"
+)
 
 # Top-level /generate fields we honour, and those we accept only at SGLang's default value.
 _GENERATE_FIELDS = {
@@ -95,6 +140,9 @@ class ServerConfig:
         enable_return_routed_experts: allow ``return_routed_experts`` requests.
         max_running_requests: most prompts decoded together in one batch.
         dist_timeout_s: timeout of the weight-update group's rendezvous and broadcasts, seconds.
+        api_key, admin_api_key: SGLang's ``--api-key`` / ``--admin-api-key``; None = unset.
+        health_check_timeout_s: how long /health waits for a paused server, seconds
+            (SGLang's ``SGLANG_HEALTH_CHECK_TIMEOUT``).
     """
 
     model_path: str
@@ -104,8 +152,15 @@ class ServerConfig:
     enable_return_routed_experts: bool = False
     max_running_requests: int = 64
     dist_timeout_s: float = 600.0
+    api_key: str | None = field(default=None, repr=False)
+    admin_api_key: str | None = field(default=None, repr=False)
+    health_check_timeout_s: float = 20.0
 
     def __post_init__(self) -> None:
+        if self.health_check_timeout_s <= 0:
+            raise ValueError(
+                f"health_check_timeout_s must be > 0, got {self.health_check_timeout_s}"
+            )
         if self.max_running_requests < 1:
             raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
         if self.dist_timeout_s <= 0:
@@ -122,7 +177,9 @@ class _Scheduler:
     """Batches queued /generate work on one thread; honours pause/abort; owns the model lock.
 
     ``model_lock`` is held while a batch runs and while weights are loaded, so the two never
-    overlap. Lock order: ``_cond`` may be held when taking ``model_lock``, never the reverse.
+    overlap. Lock order: ``_cond`` may be held when taking ``model_lock``, never the reverse,
+    except by the generation thread itself (between decode steps, ``_between_steps``), the
+    only thread that takes ``model_lock`` under ``_cond``.
     """
 
     def __init__(self, engine: GenerationEngine, max_running_requests: int) -> None:
@@ -132,6 +189,9 @@ class _Scheduler:
         self._cond = threading.Condition()
         self._pending: deque[_Work] = deque()
         self._paused = False
+        self._pause_mode: str | None = None
+        self._running = 0  # requests of the batch being decoded (a suspended one included)
+        self._suspended = False  # the running batch waits in an "in_place" pause
         self._abort = threading.Event()
         # Changed only under model_lock, so a batch reads the version its weights carry.
         self.weight_version = "default"  # SGLang's default --weight-version
@@ -150,18 +210,50 @@ class _Scheduler:
         return [work.future for work in works]
 
     def pause(self, mode: str) -> None:
-        """Stop taking batches; return once no batch runs (see the module docstring)."""
+        """Stop taking batches; return once no batch decodes (see the module docstring)."""
         with self._cond:
-            self._paused = True
+            self._paused, self._pause_mode = True, mode
         if mode == "abort":
             self.abort_all()
-        with self.model_lock:  # waits for the running batch
-            pass
+            return
+        with self._cond:  # "in_place": until the batch is suspended; "retract": finished
+            while self._running and not (mode == "in_place" and self._suspended):
+                self._cond.wait()
 
     def resume(self) -> None:
         with self._cond:
-            self._paused = False
+            self._paused, self._pause_mode = False, None
             self._cond.notify_all()
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    def busy(self) -> bool:
+        """Whether SGLang would refuse a cache flush: requests running (or suspended in
+        place), or waiting while not paused (a paused scheduler's flush ignores its queue)."""
+        # No _cond here: the caller may hold model_lock, and _loop takes _cond before it.
+        return self._running > 0 or (not self._paused and bool(self._pending))
+
+    def _between_steps(self) -> bool:
+        """Polled by the engine between decode steps: True aborts the batch; in an "in_place"
+        pause the batch waits here, without the model lock, until resumed or aborted."""
+        if self._abort.is_set():
+            return True
+        with self._cond:
+            if not (self._paused and self._pause_mode == "in_place"):
+                return False
+            self._suspended = True
+            self._cond.notify_all()
+        self.model_lock.release()
+        try:
+            with self._cond:
+                while self._paused and not self._abort.is_set():
+                    self._cond.wait()
+                self._suspended = False
+        finally:
+            self.model_lock.acquire()
+        return self._abort.is_set()
 
     def abort_all(self) -> None:
         """Abort queued work now and the running batch after its current decode step."""
@@ -169,9 +261,12 @@ class _Scheduler:
             aborted = list(self._pending)
             self._pending.clear()
             self._abort.set()
+            self._cond.notify_all()  # wakes a batch suspended in place
         for work in aborted:
             work.future.set_result(([_aborted(r) for r in work.requests], self.weight_version))
-        with self.model_lock:
+        with self._cond:
+            while self._running:
+                self._cond.wait()
             self._abort.clear()
 
     def _loop(self) -> None:
@@ -187,10 +282,11 @@ class _Scheduler:
                 ):
                     size += len(self._pending[0].requests)
                     batch.append(self._pending.popleft())
+                self._running = size
                 self.model_lock.acquire()
             try:
                 requests = [r for work in batch for r in work.requests]
-                outputs = self.engine.generate(requests, should_abort=self._abort.is_set)
+                outputs = self.engine.generate(requests, should_abort=self._between_steps)
                 version = self.weight_version
             except Exception as e:
                 logger.exception("generation failed")
@@ -203,6 +299,9 @@ class _Scheduler:
                     start += len(work.requests)
             finally:
                 self.model_lock.release()
+                with self._cond:
+                    self._running = 0
+                    self._cond.notify_all()
 
 
 def _aborted(request: EngineRequest) -> EngineOutput:
@@ -218,6 +317,8 @@ class ServerState:
         self.engine = GenerationEngine(config.model_path, seed=config.random_seed)
         self.scheduler = _Scheduler(self.engine, config.max_running_requests)
         self.groups: dict[str, WeightUpdateGroup] = {}
+        # SGLang's weight-update session: the selector of the open one, None when closed.
+        self.session: str | None = None
         # Weight updates land here, reused across requests (grown on demand): a fresh buffer
         # per bucket costs its page faults, about as long as the broadcast itself on a CPU.
         self._receive_buffer = torch.empty(0, dtype=torch.uint8)
@@ -391,6 +492,8 @@ class ServerState:
             if mismatches:
                 return False, f"rejected {len(mismatches)} parameter(s): " + "; ".join(mismatches)
             self.engine.load_weights([(s[0], buf) for s, buf in zip(specs, buffers, strict=True)])
+            if body.get("flush_cache", True) and self.scheduler.busy():
+                return False, FLUSH_AFTER_UPDATE_FAILED  # SGLang: loaded, version unchanged
             if body.get("weight_version") is not None:
                 self.scheduler.weight_version = str(body["weight_version"])
         return True, "Succeeded to update parameter online."
@@ -431,6 +534,21 @@ def create_app(state: ServerState) -> FastAPI:
     """The FastAPI app; ``state`` is its only shared object (``app.state.server``)."""
     app = FastAPI()
     app.state.server = state
+    config = state.config
+
+    @app.middleware("http")
+    async def authenticate(request: Request, call_next) -> Response:
+        decision = decide_request_auth(
+            method=request.method,
+            path=request.url.path,
+            authorization_header=request.headers.get("Authorization"),
+            api_key=config.api_key,
+            admin_api_key=config.admin_api_key,
+            auth_level=ENDPOINT_AUTH_LEVELS.get(request.url.path, AuthLevel.NORMAL),
+        )
+        if not decision.allowed:
+            return JSONResponse(auth_error_body(decision), decision.error_status_code)
+        return await call_next(request)
 
     def error(message: str) -> JSONResponse:
         return JSONResponse({"error": {"message": message}}, status_code=400)
@@ -439,8 +557,19 @@ def create_app(state: ServerState) -> FastAPI:
         return JSONResponse({"success": success, "message": message}, 200 if success else 400)
 
     @app.get("/health")
+    @app.get("/health_generate")
     async def health() -> Response:
+        # SGLang's health generation cannot run while paused: wait for a resume, then 503.
+        deadline = time.monotonic() + config.health_check_timeout_s
+        while state.scheduler.paused:
+            if time.monotonic() >= deadline:
+                return Response(status_code=503)
+            await asyncio.sleep(min(0.05, config.health_check_timeout_s))
         return Response(status_code=200)
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        return Response(status_code=503 if state.scheduler.paused else 200)
 
     @app.get("/model_info")
     async def model_info() -> dict:
@@ -473,7 +602,9 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> Response:
-        return PlainTextResponse("Cache flushed.\n")
+        if state.scheduler.busy():
+            return PlainTextResponse(FLUSH_FAILED, status_code=400)
+        return PlainTextResponse(FLUSH_OK)
 
     @app.post("/pause_generation")
     async def pause_generation(request: Request) -> Response:
@@ -496,9 +627,32 @@ def create_app(state: ServerState) -> FastAPI:
     async def destroy_weights_update_group(request: Request) -> Response:
         return result(*await asyncio.to_thread(state.destroy_group, await request.json()))
 
+    @app.post("/begin_weight_update")
+    async def begin_weight_update(request: Request) -> Response:
+        selector = (await _json_or_empty(request)).get("selector", "all")
+        if selector not in SELECTORS:
+            return error(f"selector must be one of {SELECTORS}, got {selector!r}")
+        if state.session is not None:
+            return result(
+                False, "a weight-update session is already open; call end_weight_update() first"
+            )
+        state.session = selector
+        return result(True, "Success")
+
+    @app.post("/end_weight_update")
+    async def end_weight_update() -> Response:
+        if state.session is None:
+            return result(
+                False, "no weight-update session is open; call begin_weight_update() first"
+            )
+        state.session = None
+        return result(True, "Success")
+
     @app.post("/update_weights_from_distributed")
     async def update_weights_from_distributed(request: Request) -> Response:
         body = await request.json()
+        if state.session is None:  # SGLang checks this before joining the broadcast
+            return result(False, OUTSIDE_SESSION)
         try:
             fatal, specs, mismatches = state.check_update(body)
         except (ValueError, TypeError) as e:
@@ -527,7 +681,19 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
     p.add_argument("--enable-return-routed-experts", action="store_true")
     p.add_argument("--max-running-requests", type=int, default=64)
     p.add_argument("--dist-timeout", type=float, default=600.0, help="seconds")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--admin-api-key", default=None)
+    p.add_argument("--config", default=None, help="YAML with api_key / admin_api_key")
     a = p.parse_args(argv)
+    if a.config is not None:
+        with open(a.config) as f:
+            extra = yaml.safe_load(f) or {}
+        unknown = set(extra) - {"api_key", "admin_api_key"}
+        if unknown:
+            raise ValueError(f"--config {a.config}: unsupported keys {sorted(unknown)}")
+        for key, value in extra.items():
+            if getattr(a, key) is None:  # a flag given on the command line wins
+                setattr(a, key, str(value))
     seed = a.random_seed if a.random_seed is not None else secrets.randbelow(2**31)
     return ServerConfig(
         model_path=a.model_path,
@@ -537,6 +703,9 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
         enable_return_routed_experts=a.enable_return_routed_experts,
         max_running_requests=a.max_running_requests,
         dist_timeout_s=a.dist_timeout,
+        api_key=a.api_key,
+        admin_api_key=a.admin_api_key,
+        health_check_timeout_s=float(os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", 20)),
     )
 
 
