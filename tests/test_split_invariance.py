@@ -68,6 +68,7 @@ CASES = [
 for _case in CASES:
     _case.setdefault("trainer_version", TRAINER_VERSION)
     _case["dp_micro_batch_size"] = 5  # rank 0: 5 + 5 + 5 + 1 rows, rank 1: 5 + 3
+    _case["dp_max_tokens"] = 40  # token-budget micro-batches, regrouped by length on each rank
 
 
 def make_samples(trainer: PolicyTrainer, vocab: int, seed: int = 0) -> list[Sample]:
@@ -280,6 +281,15 @@ def dp_run(tmp_path_factory, trainer, batch, tiny_checkpoint, tiny_hf_config):
 def test_data_parallel_two_ranks_equal_one_process(dp_run, reference, case):
     results, _ = dp_run
     got = results[case["name"]]
+    assert_same_step((got["metrics"], got["grads"]), reference[case["name"]], case["name"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
+def test_data_parallel_token_budget_equals_one_process(dp_run, reference, case):
+    results, _ = dp_run
+    got = results[f"{case['name']}/token_budget"]
+    assert got["micro_batches"] >= 2  # each rank's share is regrouped into several
     assert_same_step((got["metrics"], got["grads"]), reference[case["name"]], case["name"])
 
 

@@ -41,6 +41,7 @@ class TrainerRank:
     ep: int
     etp: int
     edp: int
+    cp: int = 0
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,7 @@ class LaunchPlan:
         model_config_path: the HF config.json that was read.
         hf_config: its parsed content.
         params: the model's parameter count.
-        world_size, tp, pp, ep, etp, dp, edp: trainer world and parallel sizes (CP is 1).
+        world_size, tp, pp, ep, etp, dp, edp, cp: trainer world and parallel sizes.
         sequence_parallel: whether the trainer shards activations over TP.
         ranks: one entry per trainer rank.
         groups: megatron-core process groups by name (lists of global ranks).
@@ -73,7 +74,8 @@ class LaunchPlan:
             starts ``rollout.num_embedded_servers`` embedded servers itself).
         sync_world_size: ranks of the weight-update group (trainer rank 0 + server ranks).
         sync_backend: "nccl" or "gloo".
-        samples_per_step, micro_batches_per_dp_rank: the trainer batch.
+        samples_per_step, micro_batches_per_dp_rank: the trainer batch (0 micro-batches:
+            ``train.max_tokens_per_micro_batch``, whose count depends on the lengths).
         memory: static memory estimate.
         notes: assumptions the plan made, printed by the dry-run.
     """
@@ -101,6 +103,7 @@ class LaunchPlan:
     micro_batches_per_dp_rank: int
     memory: MemoryEstimate
     notes: list[str]
+    cp: int = 1
 
     @property
     def trainer_nodes(self) -> list[int]:
@@ -205,12 +208,14 @@ def resolve_plan(cfg: Any, hf_config: dict[str, Any] | None = None) -> LaunchPla
     if sp is None:
         sp = tp > 1  # transformer_config_from_hf's rule
     world = launch.trainer_nodes * launch.trainer_ranks_per_node
+    cp = _parallel_option(par, "context_parallel_size") or 1
 
     errors = _layout_errors(hf_config, world, tp, pp, ep, etp, sp)
+    errors += _context_parallel_errors(cfg, world, tp, cp, pp, notes)
     if errors:
         raise ValueError("invalid launch configuration:\n  " + "\n  ".join(errors))
-    dp, edp = world // (tp * pp), world // (etp * ep * pp)
-    sizes = {"tp": tp, "cp": 1, "ep": 1, "dp": dp, "pp": pp}
+    dp, edp = world // (tp * cp * pp), world // (etp * ep * pp)
+    sizes = {"tp": tp, "cp": cp, "ep": 1, "dp": dp, "pp": pp}
     expert_sizes = {"tp": etp, "cp": 1, "ep": ep, "dp": edp, "pp": pp}
     groups = {
         "tensor parallel": rank_groups(sizes, ("tp",)),
@@ -221,12 +226,15 @@ def resolve_plan(cfg: Any, hf_config: dict[str, Any] | None = None) -> LaunchPla
         "expert tensor parallel": rank_groups(expert_sizes, ("tp",)),
         "expert data parallel": rank_groups(expert_sizes, ("dp",)),
     }
+    if cp > 1:  # dense gradients are reduced over DP x CP (megatron-core's dp-cp group)
+        groups["context parallel"] = rank_groups(sizes, ("cp",))
+        groups["data-context parallel (dp-cp)"] = rank_groups(sizes, ("cp", "dp"))
     ranks = []
     for r in range(world):
-        t, _, _, d, p = _decompose(r, [sizes[k] for k in ORDER])
+        t, c, _, d, p = _decompose(r, [sizes[k] for k in ORDER])
         et, _, e, ed, _ = _decompose(r, [expert_sizes[k] for k in ORDER])
         node, local = divmod(r, launch.trainer_ranks_per_node)
-        ranks.append(TrainerRank(r, node, local, t, p, d, e, et, ed))
+        ranks.append(TrainerRank(r, node, local, t, p, d, e, et, ed, c))
 
     servers, source, errors = _servers(cfg, launch)
     ro = cfg.rollout
@@ -237,7 +245,7 @@ def resolve_plan(cfg: Any, hf_config: dict[str, Any] | None = None) -> LaunchPla
             f"rollout.prompts_per_step={ro.prompts_per_step} is not divisible by DP {dp}: the "
             "trainer scatters whole groups, so the data-parallel ranks would get unequal shares"
         )
-    elif samples % (dp * mbs):
+    elif cfg.train.max_tokens_per_micro_batch is None and samples % (dp * mbs):
         errors.append(
             f"train.micro_batch_size={mbs}: the {samples} samples of a step "
             f"(rollout.prompts_per_step={ro.prompts_per_step} x rollout.group_size="
@@ -306,10 +314,46 @@ def resolve_plan(cfg: Any, hf_config: dict[str, Any] | None = None) -> LaunchPla
         sync_world_size=sync_world,
         sync_backend="nccl" if launch.device == "cuda" else "gloo",
         samples_per_step=samples,
-        micro_batches_per_dp_rank=samples // (dp * mbs),
+        micro_batches_per_dp_rank=(
+            samples // (dp * mbs) if cfg.train.max_tokens_per_micro_batch is None else 0
+        ),
         memory=memory,
         notes=notes,
+        cp=cp,
     )
+
+
+def _context_parallel_errors(
+    cfg: Any, world: int, tp: int, cp: int, pp: int, notes: list[str]
+) -> list[str]:
+    """Context parallelism and the token budget against the world, the device and the
+    longest sample; adds notes on what CP needs."""
+    errors = []
+    if cp > 1:
+        if world % (tp * cp * pp):
+            errors.append(
+                f"parallel.context_parallel_size={cp} x TP {tp} x PP {pp} does not divide the "
+                f"{world} trainer ranks"
+            )
+        if cfg.launch.device == "cpu":
+            errors.append(
+                f"parallel.context_parallel_size={cp} with launch.device=cpu: attention under "
+                "context parallelism is transformer-engine's (ring attention); the CPU path "
+                "has none"
+            )
+        notes.append(
+            f"context parallel {cp}: each sequence is cut into {2 * cp} chunks, rank r of a CP "
+            f"group holding chunks r and {2 * cp - 1}-r (tokens, loss masks and R3 routes "
+            "alike); the trainer's steps do not run CP yet and refuse it"
+        )
+    budget = cfg.train.max_tokens_per_micro_batch
+    if budget is not None and cfg.rollout.max_new_tokens + 1 > budget * cp:
+        errors.append(
+            f"train.max_tokens_per_micro_batch={budget}: a sample of rollout.max_new_tokens="
+            f"{cfg.rollout.max_new_tokens} response tokens and a prompt does not fit "
+            + (f"in {budget * cp} tokens over CP {cp}" if cp > 1 else "in one micro-batch")
+        )
+    return errors
 
 
 def _layout_errors(
@@ -440,7 +484,8 @@ def format_plan(plan: LaunchPlan, max_rows: int = 64) -> str:
         f"{_span(plan.trainer_nodes)}, devices 0-{la.trainer_ranks_per_node - 1}), rollout "
         f"{rollout_devices} ({len(plan.servers)} {la.rollout_engine} server(s) x TP "
         f"{la.rollout_server_tp})",
-        f"trainer: world {plan.world_size} = TP {plan.tp} x PP {plan.pp} x DP {plan.dp} (CP 1);"
+        f"trainer: world {plan.world_size} = TP {plan.tp} x PP {plan.pp} x DP {plan.dp} (CP "
+        f"{plan.cp});"
         f" experts: EP {plan.ep} x expert-TP {plan.etp} x expert-DP {plan.edp}; sequence "
         f"parallel {'on' if plan.sequence_parallel else 'off'}",
         "  rank node dev  tp pp dp  ep etp edp  holds",
@@ -471,9 +516,14 @@ def format_plan(plan: LaunchPlan, max_rows: int = 64) -> str:
         f" hosts the store; {plan.sync_world_size - 1} server ranks), backend "
         f"{plan.sync_backend}"
     )
+    per_rank = plan.samples_per_step // plan.dp
     lines.append(
-        f"batch: {plan.samples_per_step} samples per step; per DP rank "
-        f"{plan.samples_per_step // plan.dp} = {plan.micro_batches_per_dp_rank} micro-batches"
+        f"batch: {plan.samples_per_step} samples per step; per DP rank {per_rank} = "
+        + (
+            f"{plan.micro_batches_per_dp_rank} micro-batches"
+            if plan.micro_batches_per_dp_rank
+            else "token-budget micro-batches (count set by the lengths)"
+        )
     )
     headroom = la.gpu_memory_gib - m.trainer_bytes / GIB
     lines.append(

@@ -93,7 +93,8 @@ class PolicyTrainer:
         ValueError: ``parallel.pipeline_model_parallel_size`` > 1 (the steps run their
             micro-batches without a pipeline schedule), or megatron-core's parallel state was
             already initialised with other sizes (``init_distributed`` is idempotent and would
-            silently keep them).
+            silently keep them); ``parallel.context_parallel_size`` > 1 (not run by the steps
+            yet; refused without CUDA by ``init_distributed``).
     """
 
     def __init__(
@@ -119,6 +120,12 @@ class PolicyTrainer:
         init_distributed(
             parallel, seed=train.seed, timeout_minutes=train.distributed_timeout_minutes
         )
+        if parallel.context_parallel_size != 1:  # (without CUDA init_distributed refused it)
+            raise ValueError(
+                f"parallel.context_parallel_size={parallel.context_parallel_size}: the trainer's "
+                "steps do not cut micro-batches over CP ranks yet (the slicing and the log-prob "
+                "gather exist: training.context_parallel); use context_parallel_size=1"
+            )
         self.train_config = train
         self.pad_token_id = pad_token_id
         self.hf_config = hf_config

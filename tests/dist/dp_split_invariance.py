@@ -46,10 +46,23 @@ def main(spec_path: str, out_dir: str) -> None:
     saved = [p.detach().clone() for p in params]
     base = trainer.train_config
     results = {}
-    for case in spec["cases"]:
-        trainer.train_config = dataclasses.replace(
-            base, micro_batch_size=case["dp_micro_batch_size"]
+    # Each case with fixed-count micro-batches, and with token-budget ones (key
+    # "<name>/token_budget") when the case gives ``dp_max_tokens``.
+    runs = [
+        (case, case["name"], {"micro_batch_size": case["dp_micro_batch_size"]})
+        for case in spec["cases"]
+    ]
+    runs += [
+        (
+            case,
+            f"{case['name']}/token_budget",
+            {"max_tokens_per_micro_batch": case["dp_max_tokens"]},
         )
+        for case in spec["cases"]
+        if case.get("dp_max_tokens")
+    ]
+    for case, name, fields in runs:
+        trainer.train_config = dataclasses.replace(base, **fields)
         metrics = trainer.rl_step(
             samples,
             advantages,
@@ -60,7 +73,11 @@ def main(spec_path: str, out_dir: str) -> None:
         with torch.no_grad():
             for p, s in zip(params, saved, strict=True):
                 p.copy_(s)
-        results[case["name"]] = {"metrics": metrics, "grads": grads}
+        results[name] = {
+            "metrics": metrics,
+            "grads": grads,
+            "micro_batches": len(trainer.micro_batch_rows(samples)),
+        }
     trainer.train_config = base
     if spec.get("rl_overrides"):
         from megatron_sat.config import load_config
