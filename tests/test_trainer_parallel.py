@@ -44,6 +44,15 @@ CASES = [
     {"name": "ep2_uneven", "ep": 2, "shares": [slice(0, 12), slice(12, 16)], "micro_batch_size": 6},
     # EP2, rank 1 without samples (rl.dp_shares gives empty shares): two filler micro-batches.
     {"name": "ep2_empty_rank", "ep": 2, "shares": [ALL, slice(16, 16)], "micro_batch_size": 8},
+    # EP2 with token-budget micro-batches (samples regrouped by length, 24 padded tokens):
+    # rank 0's 12 samples need more micro-batches than rank 1's 4, so rank 1 runs fillers.
+    {
+        "name": "ep2_token_budget",
+        "ep": 2,
+        "shares": [slice(0, 12), slice(12, 16)],
+        "micro_batch_size": 6,
+        "max_tokens": 24,
+    },
     # Controls: one mechanism broken, the comparison must fail.
     {
         "name": "control_ep2_dp_scale_1",
@@ -250,6 +259,13 @@ def test_parallel_step_equals_single_rank(parallel_run, reference, name):
     # rounding of g (measured: 1.2e-6 at TP2, where |g| = 1.4e-7). A wrong element moves by
     # ~lr = 1e-3 (the TP control: 2e-3), so 1e-5 separates them.
     assert diffs["weights"] <= 1e-5, diffs
+
+
+@pytest.mark.slow
+def test_token_budget_case_regrouped_and_ran_fillers(parallel_run):
+    layout = parallel_run[0]["ep2_token_budget"]["layout"]
+    counts = [rank["micro_batches"] for rank in layout]
+    assert counts[0] > counts[1] >= 1 and counts[0] > 2, counts  # 12 samples in > 2 (fixed: 2)
 
 
 @pytest.mark.slow

@@ -95,7 +95,13 @@ def main(spec_path: str, out_dir: str) -> None:
             parallel_state.destroy_model_parallel()
         trainer = PolicyTrainer(
             spec["hf_config"],
-            TrainConfig(**dict(spec["train"], micro_batch_size=case["micro_batch_size"])),
+            TrainConfig(
+                **dict(
+                    spec["train"],
+                    micro_batch_size=case["micro_batch_size"],
+                    max_tokens_per_micro_batch=case.get("max_tokens"),
+                )
+            ),
             ParallelConfig(
                 tensor_model_parallel_size=case.get("tp", 1),
                 expert_model_parallel_size=case.get("ep", 1),
@@ -120,7 +126,7 @@ def main(spec_path: str, out_dir: str) -> None:
             "dp": parallel_state.get_data_parallel_world_size(),
             "expert_dp": parallel_state.get_expert_data_parallel_world_size(),
             "sequence_parallel": trainer.sequence_parallel,
-            "micro_batches": -(-len(spec["samples"][share]) // case["micro_batch_size"]),
+            "micro_batches": len(trainer.micro_batch_rows(spec["samples"][share])),
             "seconds": round(time.perf_counter() - start, 2),
         }
         layouts: list = [None] * torch.distributed.get_world_size()

@@ -1,0 +1,238 @@
+"""The data path at the paper's shape, scaled down: padding of token-budget micro-batches next to
+today's fixed-count ones, and the time from HTTP responses to micro-batches.
+
+Synthetic batch (seeded): ``--prompts`` x ``--group-size`` samples (paper: 256 x 16). Response
+lengths are long-tailed as in the paper's reasoning RL: R = min(cap, ceil(X)), X lognormal with
+median 6,000 and sigma 0.9 (mean about 8.4k after the cap, the issue's 8.4k tokens per sample;
+about 3 % of responses hit the cap), cap 32k tokens minus the longest prompt so that every
+sample fits the budget; prompt lengths uniform in [64, 512]. Everything is divided by
+``--scale`` (default 16: median 375, budget 2,048 tokens). Routing: the paper's model
+(Qwen3-30B-A3B: 48 layers, top-8 of 128 experts) with ``--layers`` (default 12) layers.
+
+Micro-batches per data-parallel rank (``--dp`` = 2 shares of whole groups, ``rl.dp_shares``):
+
+- token budget: ``training.micro_batches.token_budget_micro_batches`` with the paper's 32k
+  tokens per GPU (scaled: 2,048);
+- fixed count (today's ``train.micro_batch_size``): consecutive slices, the size chosen so that
+  there are as many micro-batches as with the budget (same mean work per micro-batch).
+
+``padding_waste`` = padded tokens / real tokens (issue 12 goal: <= 0.05), and
+``fixed_count_padding_waste``; ``fixed_count_max_tokens`` is the largest padded micro-batch of
+the fixed count (what a device must hold), against the budget.
+
+Time (one process, all ranks' shares in turn, median of ``--repeats``): from the JSON bodies of
+SGLang ``/generate`` responses (``output_ids``, ``meta_info.output_token_logprobs``, base64
+``routed_experts``) to micro-batches with routes: ``json.loads``, route decoding
+(``routing.payload.decode_routed_experts``), ``Sample`` objects, grouping, and
+``training.batching.build_micro_batch``; in seconds per million tokens. (The 2-process torchrun
+distribution of the batch is not part of this bench.)
+
+Usage: ``python bench/data_path.py [--prompts 32 --group-size 16 --scale 16 --repeats 3]``.
+The last line is JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import math
+import statistics
+import time
+
+import numpy as np
+import torch
+
+PAPER_BUDGET = 32768  # dynamic batching: 32k tokens per GPU
+PAPER_CAP = 32768  # max response length
+PROMPT_RANGE = (64, 512)
+MEDIAN, SIGMA = 6000.0, 0.9
+NUM_EXPERTS, TOP_K = 128, 8
+
+
+def synthetic_lengths(num: int, scale: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(prompt lengths, response lengths) [num] int64, scaled down by ``scale`` (see module)."""
+    rng = np.random.default_rng(seed)
+    lo, hi = (max(1, v // scale) for v in PROMPT_RANGE)
+    prompts = rng.integers(lo, hi + 1, size=num)
+    cap = PAPER_CAP // scale - hi
+    raw = rng.lognormal(math.log(MEDIAN / scale), SIGMA, size=num)
+    responses = np.minimum(np.ceil(raw).astype(np.int64), cap)
+    return prompts, np.maximum(responses, 1)
+
+
+def response_bodies(prompts: np.ndarray, responses: np.ndarray, layers: int, seed: int):
+    """One SGLang /generate response body (JSON bytes) per sample, routes for P + R - 1 rows."""
+    rng = np.random.default_rng(seed + 1)
+    bodies = []
+    for p, r in zip(prompts.tolist(), responses.tolist(), strict=True):
+        ids = rng.integers(3, 150_000, size=r).tolist()
+        logprobs = (-rng.exponential(0.5, size=r)).tolist()
+        rows = p + r - 1
+        # distinct experts per row: a random offset plus a fixed stride pattern
+        base = rng.integers(0, NUM_EXPERTS, size=(rows, layers, 1))
+        routes = ((base + np.arange(TOP_K) * (NUM_EXPERTS // TOP_K)) % NUM_EXPERTS).astype("<i4")
+        body = {
+            "text": "",
+            "output_ids": ids,
+            "meta_info": {
+                "prompt_tokens": p,
+                "completion_tokens": r,
+                "finish_reason": {"type": "length"},
+                "weight_version": "3",
+                "output_token_logprobs": [
+                    [lp, t, None] for lp, t in zip(logprobs, ids, strict=True)
+                ],
+                "routed_experts": base64.b64encode(routes.tobytes()).decode(),
+            },
+        }
+        bodies.append(json.dumps(body).encode())
+    return bodies
+
+
+def to_samples(bodies, prompts: np.ndarray, layers: int):
+    """Parse the bodies as the client does and build ``Sample`` objects (prompt ids synthetic)."""
+    from megatron_sat.rollout.types import Sample
+    from megatron_sat.routing.payload import decode_routed_experts
+
+    samples = []
+    for i, (raw, p) in enumerate(zip(bodies, prompts.tolist(), strict=True)):
+        item = json.loads(raw)
+        meta = item["meta_info"]
+        ids = [int(t) for t in item["output_ids"]]
+        logprobs = [float(e[0]) for e in meta["output_token_logprobs"]]
+        routed = decode_routed_experts(
+            meta["routed_experts"],
+            num_tokens=p + len(ids) - 1,
+            num_layers=layers,
+            top_k=TOP_K,
+            num_experts=NUM_EXPERTS,
+        )
+        version = int(meta["weight_version"])
+        samples.append(
+            Sample(
+                index=i,
+                group_index=i,
+                prompt="",
+                label="",
+                prompt_ids=[1] * p,
+                response_ids=ids,
+                rollout_log_probs=logprobs,
+                response_versions=[version] * len(ids),
+                routed_experts=routed,
+            )
+        )
+    return samples
+
+
+def main() -> None:
+    """Run the bench; see the module docstring."""
+    from megatron_sat.training.batching import build_micro_batch
+    from megatron_sat.training.micro_batches import (
+        fixed_count_micro_batches,
+        padded_tokens,
+        padding_waste,
+        token_budget_micro_batches,
+    )
+    from megatron_sat.training.rl import dp_shares
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument("--group-size", type=int, default=16)
+    parser.add_argument("--scale", type=int, default=16)
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--dp", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+
+    num = args.prompts * args.group_size
+    budget = PAPER_BUDGET // args.scale
+    prompts, responses = synthetic_lengths(num, args.scale, args.seed)
+    lengths = (prompts + responses).tolist()
+    shares = dp_shares(num, args.group_size, args.dp)
+    budget_groups, fixed_groups, fixed_sizes = [], [], []
+    for share in shares:
+        local = lengths[share]
+        groups = token_budget_micro_batches(local, budget)
+        size = math.ceil(len(local) / len(groups))
+        fixed = fixed_count_micro_batches(len(local), size)
+        offset = share.start
+        budget_groups += [[offset + i for i in g] for g in groups]
+        fixed_groups += [[offset + i for i in g] for g in fixed]
+        fixed_sizes.append(size)
+    waste = padding_waste(lengths, budget_groups)
+    fixed_waste = padding_waste(lengths, fixed_groups)
+    fixed_max = max(len(g) * max(lengths[i] for i in g) for g in fixed_groups)
+
+    bodies = response_bodies(prompts, responses, args.layers, args.seed)
+    routing_shape = (args.layers, TOP_K, NUM_EXPERTS)
+    times = {"parse": [], "group": [], "build": []}
+    for _ in range(args.repeats):
+        t0 = time.perf_counter()
+        samples = to_samples(bodies, prompts, args.layers)
+        t1 = time.perf_counter()
+        rows = []
+        for share in shares:
+            local = samples[share]
+            groups = token_budget_micro_batches([s.num_tokens for s in local], budget)
+            rows.append([[share.start + i for i in g] for g in groups])
+        t2 = time.perf_counter()
+        advantages = torch.zeros(num)
+        mbs = [
+            build_micro_batch(
+                [samples[i] for i in g],
+                advantages[g],
+                pad_token_id=0,
+                routing_shape=routing_shape,
+            )
+            for share_rows in rows
+            for g in share_rows
+        ]
+        t3 = time.perf_counter()
+        times["parse"].append(t1 - t0)
+        times["group"].append(t2 - t1)
+        times["build"].append(t3 - t2)
+        assert sum(int(mb.input_ids.numel()) for mb in mbs) == sum(lengths) + padded_tokens(
+            lengths, budget_groups
+        )
+        del mbs, samples
+    real = sum(lengths)
+    per_million = {k: statistics.median(v) / real * 1e6 for k, v in times.items()}
+    result = {
+        "padding_waste": round(waste, 4),
+        "fixed_count_padding_waste": round(fixed_waste, 4),
+        "goal_padding_waste": 0.05,
+        "responses_to_micro_batches_s_per_million_tokens": round(sum(per_million.values()), 3),
+        "parse_s_per_million_tokens": round(per_million["parse"], 3),
+        "group_s_per_million_tokens": round(per_million["group"], 4),
+        "build_s_per_million_tokens": round(per_million["build"], 3),
+        "max_tokens_per_micro_batch": budget,
+        "micro_batches_token_budget": len(budget_groups),
+        "micro_batches_fixed_count": len(fixed_groups),
+        "fixed_count_micro_batch_sizes": fixed_sizes,
+        "fixed_count_max_tokens": fixed_max,
+        "samples": num,
+        "tokens": real,
+        "response_len_mean": round(float(responses.mean()), 1),
+        "response_len_median": float(np.median(responses)),
+        "response_len_max": int(responses.max()),
+        "frac_at_cap": round(float((responses == responses.max()).mean()), 4),
+        "routing_shape": list(routing_shape),
+        "scale": args.scale,
+        "dp": args.dp,
+        "repeats": args.repeats,
+    }
+    print(
+        f"{num} samples, {real:,} tokens (scale 1/{args.scale}); padding waste: token budget "
+        f"{waste:.4f} ({len(budget_groups)} micro-batches of <= {budget} tokens, goal <= 0.05), "
+        f"fixed count {fixed_waste:.4f} ({len(fixed_groups)} micro-batches, sizes {fixed_sizes},"
+        f" largest {fixed_max} tokens); responses -> micro-batches "
+        f"{result['responses_to_micro_batches_s_per_million_tokens']:.2f} s per million tokens"
+    )
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
