@@ -50,6 +50,9 @@ class RolloutConfig:
 
     Attributes:
         server_urls: URLs of running SGLang servers; empty = start embedded CPU servers.
+        server_key_file: YAML with ``api_key`` / ``admin_api_key`` of the servers of
+            ``server_urls`` (the file their ``--config`` reads; mode 0600), sent as SGLang
+            expects (``Authorization: Bearer``); None for servers without keys.
         num_embedded_servers: embedded servers to start when ``server_urls`` is empty.
         prompts_per_step: prompts per trainer step (the batch is this x ``group_size``).
         group_size: G samples per prompt (GRPO group).
@@ -74,6 +77,7 @@ class RolloutConfig:
     """
 
     server_urls: list[str] = field(default_factory=list)
+    server_key_file: str | None = None
     num_embedded_servers: int = 1
     prompts_per_step: int = 32
     group_size: int = 8

@@ -56,8 +56,23 @@ stop_servers() {  # only the processes this script started, by pid
   local pid
   for pid in "${SERVER_PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done
   for pid in "${SERVER_PIDS[@]}"; do wait "$pid" 2>/dev/null || true; done
+  if [[ -n "${KEY_FILE:-}" ]]; then rm -f "$KEY_FILE"; fi
 }
 trap stop_servers EXIT
+
+KEYGEN_PY='import secrets
+for name in ("api_key", "admin_api_key"):
+    print(name + ": " + secrets.token_urlsafe(32))'
+REDACT_PY='import sys
+keys = [line.split(":", 1)[1].strip() for line in open(sys.argv[1]) if ":" in line]
+for line in sys.stdin:
+    for key in keys:
+        line = line.replace(key, "<redacted>")
+    sys.stdout.write(line)
+    sys.stdout.flush()'
+# This job's server keys: made now, readable by this user only, never printed.
+KEY_FILE="$LOG_DIR/server_keys.${SLURM_JOB_ID:-$$}.yaml"
+(umask 077 && "$PY" -c "$KEYGEN_PY" > "$KEY_FILE")
 
 # Open MPI hands this environment to local ranks: stale torchrun variables would give
 # every rank the same identity.
@@ -65,7 +80,7 @@ unset RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE
 MPI_FLAGS=(--bind-to none)
 [[ "$(id -u)" == 0 ]] && MPI_FLAGS+=(--allow-run-as-root)
 URLS=()
-mpirun "${MPI_FLAGS[@]}" -np 1 --host node0:1 -x PYTHONUNBUFFERED -x OMP_NUM_THREADS -x CUDA_VISIBLE_DEVICES=4,5,6,7 "$PY" -m sglang.launch_server --model-path checkpoints/Qwen3-30B-A3B-Base --host 0.0.0.0 --port 30000 --tp-size 4 --enable-return-routed-experts --weight-version 0 --random-seed 1234 --mem-fraction-static 0.8 > "$LOG_DIR/server_0.log" 2>&1 &
+mpirun "${MPI_FLAGS[@]}" -np 1 --host node0:1 -x PYTHONUNBUFFERED -x OMP_NUM_THREADS -x CUDA_VISIBLE_DEVICES=4,5,6,7 "$PY" -m sglang.launch_server --model-path checkpoints/Qwen3-30B-A3B-Base --host node0 --port 30000 --config "$KEY_FILE" --tp-size 4 --enable-return-routed-experts --weight-version 0 --random-seed 1234 --mem-fraction-static 0.8 > >("$PY" -u -c "$REDACT_PY" "$KEY_FILE" > "$LOG_DIR/server_0.log") 2>&1 &
 SERVER_PIDS+=($!)
 URLS+=("\"http://node0:30000\"")
 wait_healthy "http://node0:30000" "${SERVER_PIDS[0]}" "$LOG_DIR/server_0.log"
@@ -73,7 +88,7 @@ SERVER_URLS="[$(IFS=,; echo "${URLS[*]}")]"
 echo "rollout servers: $SERVER_URLS" >&2
 MASTER_PORT=29500
 set +e
-mpirun "${MPI_FLAGS[@]}" -np 4 --host node0:4 --map-by ppr:4:node -x PYTHONUNBUFFERED -x OMP_NUM_THREADS -x CUDA_VISIBLE_DEVICES=0,1,2,3 -x MASTER_ADDR=node0 -x MASTER_PORT="$MASTER_PORT" --output-filename "$LOG_DIR/trainer" "$PY" -m megatron_sat.cli train --config runs/qwen3_30b_a3b_sat_gspo_r3/launch/config.yaml ${SERVER_URLS:+"rollout.server_urls=$SERVER_URLS"}
+mpirun "${MPI_FLAGS[@]}" -np 4 --host node0:4 --map-by ppr:4:node -x PYTHONUNBUFFERED -x OMP_NUM_THREADS -x CUDA_VISIBLE_DEVICES=0,1,2,3 -x MASTER_ADDR=node0 -x MASTER_PORT="$MASTER_PORT" --output-filename "$LOG_DIR/trainer" "$PY" -m megatron_sat.cli train --config runs/qwen3_30b_a3b_sat_gspo_r3/launch/config.yaml ${SERVER_URLS:+"rollout.server_urls=$SERVER_URLS"} "rollout.server_key_file=$KEY_FILE"
 status=$?
 set -e
 echo "trainer exited with status $status" >&2

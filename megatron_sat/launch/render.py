@@ -11,6 +11,20 @@ Every script does the same four things, with its launcher's tools:
    with the trainer's status.
 
 The resolved config is written next to the script, so every process reads the same config.
+
+Who may talk to the servers (SGLang's ``--api-key`` / ``--admin-api-key``,
+``megatron_sat.rollout.auth``): a launch whose servers and trainer share one node
+(``torchrun``; ``slurm`` with one node, where the batch script runs on that node) binds the
+servers to 127.0.0.1 and needs no key. Otherwise (``slurm`` with several nodes; ``mpirun``,
+whose hosts may be other machines than the one running the script) each server binds its
+node's address, and the script generates an API key and an admin API key for this job at run
+time into ``$LOG_DIR/server_keys.<job>.yaml``, created with umask 077 (mode 0600: the job's
+user only; ``$LOG_DIR`` must be on a file system every node sees, as for the logs). The servers
+read it through SGLang's ``--config`` (so no key is on a command line), the trainer through
+``rollout.server_key_file``; the script's text holds no key, and the script deletes the file
+on exit. SGLang 0.5.23 logs its resolved ``server_args`` at start-up with the keys in clear
+(``entrypoints/engine.py``, only watermark secrets are redacted), so each server's output
+passes through a filter that replaces the keys by ``<redacted>`` before it reaches its log.
 """
 
 from __future__ import annotations
@@ -46,8 +60,26 @@ stop_servers() {  # only the processes this script started, by pid
   local pid
   for pid in "${SERVER_PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done
   for pid in "${SERVER_PIDS[@]}"; do wait "$pid" 2>/dev/null || true; done
+  if [[ -n "${KEY_FILE:-}" ]]; then rm -f "$KEY_FILE"; fi
 }
 trap stop_servers EXIT
+"""
+
+
+_KEYS_FUNCTION = """\
+KEYGEN_PY='import secrets
+for name in ("api_key", "admin_api_key"):
+    print(name + ": " + secrets.token_urlsafe(32))'
+REDACT_PY='import sys
+keys = [line.split(":", 1)[1].strip() for line in open(sys.argv[1]) if ":" in line]
+for line in sys.stdin:
+    for key in keys:
+        line = line.replace(key, "<redacted>")
+    sys.stdout.write(line)
+    sys.stdout.flush()'
+# This job's server keys: made now, readable by this user only, never printed.
+KEY_FILE="$LOG_DIR/server_keys.${SLURM_JOB_ID:-$$}.yaml"
+(umask 077 && "$PY" -c "$KEYGEN_PY" > "$KEY_FILE")
 """
 
 
@@ -75,13 +107,39 @@ class RenderContext:
 
 
 def _q(value: object) -> str:
-    return shlex.quote(str(value))
+    return value if isinstance(value, Raw) else shlex.quote(str(value))
 
 
-def server_command(plan: LaunchPlan, ctx: RenderContext, server: RolloutServer) -> list[str]:
-    """The argv (after the interpreter) of one rollout server; listens on all interfaces."""
+def _argv(args: list[str]) -> str:
+    return " ".join(_q(a) for a in args)
+
+
+def _server_log(log: str, keys: bool) -> str:
+    """Where a server's output goes: its log, through the key filter when there are keys."""
+    if keys:
+        return f'> >("$PY" -u -c "$REDACT_PY" "$KEY_FILE" > {log}) 2>&1'
+    return f"> {log} 2>&1"
+
+
+class Raw(str):
+    """An argument rendered as is (a shell expansion such as ``"$KEY_FILE"``), not quoted."""
+
+
+def uses_keys(plan: LaunchPlan) -> bool:
+    """Whether the servers bind a node address with per-job keys (see the module docstring),
+    rather than 127.0.0.1 without keys."""
+    return plan.launch.launcher == "mpirun" or plan.launch.num_nodes > 1
+
+
+def server_command(
+    plan: LaunchPlan, ctx: RenderContext, server: RolloutServer, host: str = "127.0.0.1"
+) -> list[str]:
+    """The argv (after the interpreter) of one rollout server listening on ``host``; with
+    per-job keys (``uses_keys``) it reads them from ``"$KEY_FILE"`` (``--config``)."""
     la = plan.launch
-    common = ["--model-path", ctx.model_path, "--host", "0.0.0.0", "--port", str(server.port)]
+    common = ["--model-path", ctx.model_path, "--host", host, "--port", str(server.port)]
+    if uses_keys(plan):
+        common += ["--config", Raw('"$KEY_FILE"')]
     seed = ["--random-seed", str(ctx.seed + server.index)]
     if la.rollout_engine == "sglang":
         return [
@@ -126,7 +184,7 @@ def _preamble(plan: LaunchPlan, ctx: RenderContext, title: str) -> list[str]:
         "export PYTHONUNBUFFERED=1",
     ]
     lines += [f"export {k}={_q(v)}" for k, v in sorted(plan.launch.env.items())]
-    return lines + [_HEALTH_FUNCTION]
+    return lines + [_HEALTH_FUNCTION] + ([_KEYS_FUNCTION] if uses_keys(plan) else [])
 
 
 def _devices(values: tuple[int, ...] | range) -> str:
@@ -149,8 +207,9 @@ def _master_port(plan: LaunchPlan) -> list[str]:
     return ['MASTER_PORT="$("$PY" -c "$FREE_PORT_PY")"', 'echo "master port $MASTER_PORT" >&2']
 
 
-def _url_override() -> str:
-    return '${SERVER_URLS:+"rollout.server_urls=$SERVER_URLS"}'
+def _url_override(plan: LaunchPlan) -> str:
+    keys = ' "rollout.server_key_file=$KEY_FILE"' if uses_keys(plan) else ""
+    return '${SERVER_URLS:+"rollout.server_urls=$SERVER_URLS"}' + keys
 
 
 def render_torchrun(plan: LaunchPlan, ctx: RenderContext) -> str:
@@ -166,7 +225,7 @@ def render_torchrun(plan: LaunchPlan, ctx: RenderContext) -> str:
     for s in plan.servers:
         log = f'"$LOG_DIR/server_{s.index}.log"'
         env = f"CUDA_VISIBLE_DEVICES={_devices(s.devices)} " if la.device == "cuda" else ""
-        argv = " ".join(_q(a) for a in server_command(plan, ctx, s))
+        argv = _argv(server_command(plan, ctx, s))
         lines += [
             f'{env}"$PY" {argv} > {log} 2>&1 &',
             "SERVER_PIDS+=($!)",
@@ -185,7 +244,7 @@ def render_torchrun(plan: LaunchPlan, ctx: RenderContext) -> str:
         "set +e",
         f'{env}"$PY" -m torch.distributed.run --nnodes=1 --node-rank=0 '
         f"--nproc-per-node={la.trainer_ranks_per_node} --master-addr=127.0.0.1 "
-        f'--master-port="$MASTER_PORT" {_trainer_args(ctx)} {_url_override()} '
+        f'--master-port="$MASTER_PORT" {_trainer_args(ctx)} {_url_override(plan)} '
         '2>&1 | tee "$LOG_DIR/trainer_node0.log"',
         "status=${PIPESTATUS[0]}",
         "set -e",
@@ -229,19 +288,29 @@ def render_sbatch(plan: LaunchPlan, ctx: RenderContext) -> str:
     ]
     # Steps get every GPU of the job (SLURM's default for a step without --gres) and share
     # the node with --overlap; CUDA_VISIBLE_DEVICES picks the plan's devices, as in torchrun.
+    keys = uses_keys(plan)
     for s in plan.servers:
-        argv = " ".join(_q(a) for a in server_command(plan, ctx, s))
+        node = f"${{NODES[{s.node}]}}"
+        host = node if keys else "127.0.0.1"
+        argv = _argv(server_command(plan, ctx, s, Raw(f'"{node}"') if keys else host))
         env = f"env CUDA_VISIBLE_DEVICES={_devices(s.devices)} " if la.device == "cuda" else ""
+        # With keys, the step's output comes back through srun and the key filter.
+        log = f'"$LOG_DIR/server_{s.index}_{node}.log"'
+        output = _server_log(log, True) if keys else f'--output="$LOG_DIR/server_{s.index}_%N.log"'
+        step = f'srun --overlap --nodes=1 --ntasks=1 --nodelist="{node}"'
         lines += [
-            f'srun --overlap --nodes=1 --ntasks=1 --nodelist="${{NODES[{s.node}]}}" '
-            f'--output="$LOG_DIR/server_{s.index}_%N.log" {env}"$PY" {argv} &',
+            f'{step} {env}"$PY" {argv} {output} &'
+            if keys
+            else f'{step} {output} {env}"$PY" {argv} &',
             "SERVER_PIDS+=($!)",
-            f'URLS+=("\\"http://${{NODES[{s.node}]}}:{s.port}\\"")',
+            f'URLS+=("\\"http://{host}:{s.port}\\"")',
         ]
     for s in plan.servers:
+        node = f"${{NODES[{s.node}]}}"
+        host = node if keys else "127.0.0.1"
         lines.append(
-            f'wait_healthy "http://${{NODES[{s.node}]}}:{s.port}" "${{SERVER_PIDS[{s.index}]}}" '
-            f'"$LOG_DIR/server_{s.index}_${{NODES[{s.node}]}}.log"'
+            f'wait_healthy "http://{host}:{s.port}" "${{SERVER_PIDS[{s.index}]}}" '
+            f'"$LOG_DIR/server_{s.index}_{node}.log"'
         )
     lines += _urls_line(plan)
     visible = _devices(range(la.trainer_ranks_per_node))
@@ -250,7 +319,7 @@ def render_sbatch(plan: LaunchPlan, ctx: RenderContext) -> str:
         + f'exec "$0" -m torch.distributed.run --nnodes={la.trainer_nodes} '
         f'--node-rank="$SLURM_PROCID" --nproc-per-node={la.trainer_ranks_per_node} '
         f'--master-addr="$1" --master-port="$2" {_trainer_args(ctx)} '
-        '${3:+"rollout.server_urls=$3"}'
+        '${3:+"rollout.server_urls=$3"}' + (' "rollout.server_key_file=$4"' if keys else "")
     )
     lines += _master_port(plan)
     lines += [
@@ -258,7 +327,7 @@ def render_sbatch(plan: LaunchPlan, ctx: RenderContext) -> str:
         f"srun --overlap --nodes={la.trainer_nodes} --ntasks-per-node=1 "
         f'--nodelist="$TRAINER_NODELIST" '
         f'--output="$LOG_DIR/trainer_%N.log" bash -c {_q(inner)} "$PY" "$MASTER_ADDR" '
-        '"$MASTER_PORT" "$SERVER_URLS"',
+        '"$MASTER_PORT" "$SERVER_URLS"' + (' "$KEY_FILE"' if keys else ""),
         "status=$?",
         "set -e",
         'echo "trainer exited with status $status" >&2',
@@ -286,10 +355,10 @@ def render_mpirun(plan: LaunchPlan, ctx: RenderContext) -> str:
         host = hosts[s.node]
         log = f'"$LOG_DIR/server_{s.index}.log"'
         cuda = f" -x CUDA_VISIBLE_DEVICES={_devices(s.devices)}" if la.device == "cuda" else ""
-        argv = " ".join(_q(a) for a in server_command(plan, ctx, s))
+        argv = _argv(server_command(plan, ctx, s, host))
         lines += [
             f'mpirun "${{MPI_FLAGS[@]}}" -np 1 --host {_q(host)}:1 {exports}{cuda} '
-            f'"$PY" {argv} > {log} 2>&1 &',
+            f'"$PY" {argv} {_server_log(log, True)} &',
             "SERVER_PIDS+=($!)",
             f'URLS+=("\\"http://{host}:{s.port}\\"")',
         ]
@@ -308,7 +377,7 @@ def render_mpirun(plan: LaunchPlan, ctx: RenderContext) -> str:
         f'mpirun "${{MPI_FLAGS[@]}}" -np {plan.world_size} --host {host_list} '
         f"--map-by ppr:{per_node}:node {exports}{cuda} -x MASTER_ADDR={_q(hosts[0])} "
         '-x MASTER_PORT="$MASTER_PORT" '
-        f'--output-filename "$LOG_DIR/trainer" "$PY" {_trainer_args(ctx)} {_url_override()}',
+        f'--output-filename "$LOG_DIR/trainer" "$PY" {_trainer_args(ctx)} {_url_override(plan)}',
         "status=$?",
         "set -e",
         'echo "trainer exited with status $status" >&2',

@@ -35,6 +35,7 @@ from typing import Protocol
 import httpx
 import torch
 
+from megatron_sat.rollout.auth import ServerKeys
 from megatron_sat.rollout.client import SGLangClient
 from megatron_sat.rollout.embedded.launch import EmbeddedServer
 from megatron_sat.weight_sync.broadcast import UpdateStats, WeightSyncError, WeightUpdater
@@ -55,7 +56,13 @@ class FleetConfig:
             more stays dead (reported), so a server that crashes on start cannot loop forever.
         probe_health: check every member before each push (process alive, GET /health), so a
             server that died while idle is replaced before the group needs it.
-        health_timeout_s: timeout of one /health probe, seconds.
+        health_timeout_s: timeout of one probe, seconds.
+
+    Probes follow SGLang 0.5.23 (``http_server.health_generate``): /health runs a one-token
+    generation, which waits while the server is paused and answers 503 after 20 s (marking
+    the server unhealthy). A server the updater may have left paused -- after any failed
+    push -- is therefore probed with GET /model_info instead, which the HTTP process answers
+    at once, paused or not: a paused but living server is not declared dead.
     """
 
     restart_dead: bool = True
@@ -144,6 +151,8 @@ class RolloutFleet:
         self._group_stale = True
         self._retired: list[SGLangClient] = []  # old clients; a pool thread may still hold one
         self._given_up: set[int] = set()
+        # Whether the servers may be paused by an update that did not complete (see config).
+        self._left_paused = False
 
     # -- construction ------------------------------------------------------------------------
     @classmethod
@@ -179,9 +188,12 @@ class RolloutFleet:
         return cls([factory(s) for s in servers], servers=servers, **kwargs)
 
     @classmethod
-    def from_urls(cls, urls: Sequence[str], **kwargs) -> RolloutFleet:
-        """A fleet over running servers (never restarted: a dead one is only reported)."""
-        return cls([SGLangClient(url) for url in urls], **kwargs)
+    def from_urls(
+        cls, urls: Sequence[str], *, keys: ServerKeys | None = None, **kwargs
+    ) -> RolloutFleet:
+        """A fleet over running servers (never restarted: a dead one is only reported);
+        ``keys``: their API / admin API keys."""
+        return cls([SGLangClient(url, keys=keys) for url in urls], **kwargs)
 
     def __enter__(self) -> RolloutFleet:
         return self
@@ -235,7 +247,8 @@ class RolloutFleet:
                 self._leave(i, "reported dead by a rollout pool")
                 found.append(i)
         if self.config.probe_health:
-            found += self._probe()
+            # A server left paused by the last failed push would time out a /health probe.
+            found += self._probe(may_be_paused=self._left_paused)
         # One retry per slot at most: each retry needs a server that died during the push.
         for attempt in range(len(self.clients) + 1):
             t0 = time.perf_counter()
@@ -245,11 +258,13 @@ class RolloutFleet:
                     regrouped = True
                     self._regroup()
                 restart_s += time.perf_counter() - t0
+                self._left_paused = True  # until the update returns
                 stats = self._updater.update(named_tensors(), weight_version=str(version))
+                self._left_paused = False
                 break
             except WeightSyncError as e:
                 restart_s += time.perf_counter() - t0
-                newly_dead = self._probe()
+                newly_dead = self._probe(may_be_paused=True)
                 if not newly_dead or attempt == len(self.clients):
                     raise
                 logger.warning("weight push failed with servers %s dead: %s", newly_dead, e)
@@ -286,28 +301,35 @@ class RolloutFleet:
         self._group_stale = True
         logger.warning("rollout server %d (%s) is dead: %s", i, self.clients[i].base_url, why)
 
-    def _probe(self) -> list[int]:
-        """Members that are dead now (they leave the fleet)."""
+    def _probe(self, may_be_paused: bool = False) -> list[int]:
+        """Members that are dead now (they leave the fleet); ``may_be_paused`` probes with
+        /model_info instead of /health (see ``FleetConfig``)."""
         dead = []
         for i in sorted(self._live):
             server = self.servers[i]
             if server is not None and not server.running:
                 why = f"process exited with code {server.process.returncode}"
             else:
-                why = self._health_error(self.clients[i])
+                why = self._health_error(self.clients[i], may_be_paused)
                 if why is None:
                     continue
             self._leave(i, why)
             dead.append(i)
         return dead
 
-    def _health_error(self, client: SGLangClient) -> str | None:
-        """None when GET /health answers 200 within the probe timeout, else why not."""
+    def _health_error(self, client: SGLangClient, may_be_paused: bool = False) -> str | None:
+        """None when the probe (GET /health, or /model_info for a server that may be paused)
+        answers 200 within the probe timeout, else why not."""
+        endpoint = "/model_info" if may_be_paused else "/health"
         try:
-            response = httpx.get(f"{client.base_url}/health", timeout=self.config.health_timeout_s)
+            response = httpx.get(
+                f"{client.base_url}{endpoint}",
+                timeout=self.config.health_timeout_s,
+                headers=client.keys.header_for(endpoint),
+            )
         except httpx.HTTPError as e:
-            return f"/health failed: {e!r}"
-        return None if response.status_code == 200 else f"/health -> {response.status_code}"
+            return f"{endpoint} failed: {e!r}"
+        return None if response.status_code == 200 else f"{endpoint} -> {response.status_code}"
 
     def _restart_down(self) -> list[int]:
         """Restart every down embedded slot allowed to restart; the ones that came back."""

@@ -50,6 +50,7 @@ from megatron_sat.config import RunConfig
 from megatron_sat.launch.sync import weight_sync_options
 from megatron_sat.objectives import compute_grpo_advantages
 from megatron_sat.rollout.async_pool import AsyncPoolConfig, AsyncRolloutPool
+from megatron_sat.rollout.auth import ServerKeys, load_server_keys
 from megatron_sat.rollout.client import RoutingSpec, SamplingParams, SGLangClient
 from megatron_sat.rollout.datasets import PromptRecord, load_prompt_dataset
 from megatron_sat.rollout.embedded.launch import EmbeddedServer
@@ -63,11 +64,19 @@ from megatron_sat.training.run_logger import RunLogger
 from megatron_sat.training.trainer import PolicyTrainer
 
 
+def server_keys(cfg: RunConfig) -> ServerKeys | None:
+    """The keys of ``rollout.server_key_file`` (None without one); raises ValueError naming
+    the file when it is readable by others (see ``load_server_keys``)."""
+    path = cfg.rollout.server_key_file
+    return None if path is None else load_server_keys(path)
+
+
 @contextlib.contextmanager
 def rollout_clients(cfg: RunConfig) -> Iterator[list[SGLangClient]]:
     """Clients of the configured servers, starting embedded CPU servers when no URL is given."""
     if cfg.rollout.server_urls:
-        clients = [SGLangClient(url) for url in cfg.rollout.server_urls]
+        keys = server_keys(cfg)
+        clients = [SGLangClient(url, keys=keys) for url in cfg.rollout.server_urls]
         yield clients
         return
     with contextlib.ExitStack() as stack:
@@ -92,7 +101,9 @@ def rollout_fleet(cfg: RunConfig) -> RolloutFleet:
     die). Use it as a context manager: it stops the servers it started."""
     options = sync_options(cfg, len(cfg.rollout.server_urls) or cfg.rollout.num_embedded_servers)
     if cfg.rollout.server_urls:
-        return RolloutFleet.from_urls(cfg.rollout.server_urls, updater_options=options)
+        return RolloutFleet.from_urls(
+            cfg.rollout.server_urls, keys=server_keys(cfg), updater_options=options
+        )
     return RolloutFleet.embedded(
         cfg.init_checkpoint,
         cfg.rollout.num_embedded_servers,

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import httpx
 
+from megatron_sat.rollout.auth import ServerKeys
 from megatron_sat.rollout.client import SGLangClient
 
 
@@ -28,7 +29,11 @@ class EmbeddedServerConfig:
         dist_timeout_s: weight-update group timeout, seconds.
         startup_timeout_s: how long to wait for /health, seconds.
         client_timeout_s: HTTP timeout of the client returned by ``client()``, seconds.
-        env: extra environment variables for the subprocess (e.g. OMP_NUM_THREADS).
+        env: extra environment variables for the subprocess (e.g. OMP_NUM_THREADS,
+            SGLANG_HEALTH_CHECK_TIMEOUT).
+        keys: start the server with these API / admin API keys (SGLang's ``--api-key``,
+            ``--admin-api-key``), handed over in a 0600 YAML file (``--config``), never on
+            the command line; ``client()`` sends them.
     """
 
     model_path: str
@@ -39,6 +44,7 @@ class EmbeddedServerConfig:
     startup_timeout_s: float = 180.0
     client_timeout_s: float = 600.0
     env: dict[str, str] = field(default_factory=dict)
+    keys: ServerKeys | None = None
 
 
 class EmbeddedServer:
@@ -73,7 +79,7 @@ class EmbeddedServer:
 
     def client(self) -> SGLangClient:
         """A new client of this server."""
-        return SGLangClient(self.url, timeout_s=self.config.client_timeout_s)
+        return SGLangClient(self.url, timeout_s=self.config.client_timeout_s, keys=self.config.keys)
 
     def command(self, port: int) -> list[str]:
         """The server's command line."""
@@ -97,7 +103,22 @@ class EmbeddedServer:
         ]
         if c.enable_return_routed_experts:
             cmd.append("--enable-return-routed-experts")
+        if c.keys is not None:
+            cmd += ["--config", str(self._key_file())]
         return cmd
+
+    def _key_file(self) -> Path:
+        """The keys as SGLang's ``--config`` YAML, created with mode 0600."""
+        path = self.log_path.with_suffix(".keys.yaml")
+        keys = {
+            "api_key": self.config.keys.api_key,
+            "admin_api_key": self.config.keys.admin_api_key,
+        }
+        text = "".join(f"{k}: {v}\n" for k, v in keys.items() if v is not None)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        return path
 
     @property
     def running(self) -> bool:
@@ -194,6 +215,7 @@ class EmbeddedServer:
     def __exit__(self, exc_type, exc, tb) -> None:
         self.stop()
         self._log.close()
+        self.log_path.with_suffix(".keys.yaml").unlink(missing_ok=True)
         if exc_type is None:
             self.log_path.unlink(missing_ok=True)
 
