@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,11 @@ from typing import Any
 import yaml
 
 from megatron_sat.launch.config import LaunchConfig
-from megatron_sat.objectives import ObjectiveConfig
+from megatron_sat.objectives import (
+    INERT_CLIP_WARNING,
+    ObjectiveConfig,
+    recomputed_old_when_stale,
+)
 from megatron_sat.training.distributed import ParallelConfig
 
 
@@ -190,7 +195,10 @@ class RunConfig:
 
     Raises:
         ValueError: ``objective.ratio_denominator == "recomputed_old"`` in an asynchronous run
-            (``rollout.update_weights_interval > 1``); "seq-mean-token-sum-norm" without
+            (``rollout.update_weights_interval > 1`` or an asynchronous mode) for an objective
+            that measures staleness against mu (SAT, DPPO, M2PO; ``recomputed_old_when_stale``);
+            GRPO/GSPO/CISPO get a warning that their clip is inert, TIS/IcePop are fine;
+            "seq-mean-token-sum-norm" without
             ``objective.loss_agg_norm_constant``.
 
     Attributes:
@@ -210,17 +218,23 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         # An asynchronous run (samples up to n > 1 versions old) trains one optimizer step per
-        # batch, so old log-probs recomputed by the trainer are the current policy's own: the
-        # ratio would be pi_j / pi_j = 1, every clip inert and the staleness unseen.
+        # batch, so old log-probs recomputed by the trainer are the current policy's own: a plain
+        # clip on pi_j / pi_old = 1 is inert (how the SAT paper ran GRPO/GSPO: warned), SAT,
+        # DPPO and M2PO would see no staleness (refused); TIS/IcePop correct pi_old to mu (fine).
         n, mode = self.rollout.update_weights_interval, self.rollout.mode
-        if self.objective.ratio_denominator == "recomputed_old" and (n > 1 or mode != "sync"):
+        stale = n > 1 or mode != "sync"
+        verdict = recomputed_old_when_stale(self.objective) if stale else "ok"
+        if verdict == "inert":
+            warnings.warn(INERT_CLIP_WARNING, stacklevel=2)
+        elif verdict == "refused":
             how = f"rollout.mode={mode}" if mode != "sync" else f"update_weights_interval={n} > 1"
             raise ValueError(
                 f"objective.ratio_denominator='recomputed_old' with rollout {how} "
-                "(asynchronous): the recomputed denominator would be the current policy itself "
-                "(ratio 1, no clip, staleness ignored); use objective.ratio_denominator="
-                "'rollout' (the rollout engine's log-probs, SAT paper Eq. 1) or synchronous "
-                "rollouts with update_weights_interval=1"
+                f"(asynchronous) and objective.name={self.objective.name!r}: the recomputed "
+                "denominator would be the current policy itself (ratio 1, staleness unseen); use "
+                "objective.ratio_denominator='rollout' (the rollout engine's log-probs, SAT paper "
+                "Eq. 1), TIS (objective.tis_cap), or synchronous rollouts with "
+                "update_weights_interval=1"
             )
         if (
             self.objective.loss_agg_mode == "seq-mean-token-sum-norm"

@@ -83,6 +83,8 @@ def test_config_accepts_every_registered_name_and_mode():
         "sat-gspo",
         "dppo-tv",
         "dppo-kl",
+        "cispo",
+        "m2po",
     }
     for name in OBJECTIVES:
         for mode in LOSS_AGG_MODES:
@@ -442,32 +444,32 @@ def test_dual_clip_by_hand():
 
 
 def test_tis_and_icepop_by_hand():
-    # log mu = 0, log pi = 0 (r = 1, S = A), A = +1; x = log pi_old - log mu = [log 3, log 0.5, 0]
+    # log mu = 0, log pi = log pi_old (TIS's update ratio pi/pi_old = 1, S = A), A = +1;
+    # x = log pi_old - log mu = [log 3, log 0.5, 0]
     # TIS C = 2: w = [min(3, 2), 0.5, 1] = [2, 0.5, 1] -> loss = -(2 + 0.5 + 1) / 3 = -7/6,
     #   grad = -w / 3 (w detached)
     old = torch.tensor([[math.log(3.0), math.log(0.5), 0.0]], dtype=F64)
     adv, mask = torch.ones(1, dtype=F64), torch.ones(1, 3, dtype=torch.bool)
-    loss, grad, m = run("grpo", leaf([[0.0, 0.0, 0.0]]), adv, mask, old_log_probs=old, tis_cap=2.0)
+    loss, grad, m = run("grpo", leaf(old.tolist()), adv, mask, old_log_probs=old, tis_cap=2.0)
     assert loss.item() == pytest.approx(-7 / 6, abs=1e-12)
     torch.testing.assert_close(grad, torch.tensor([[-2 / 3, -0.5 / 3, -1 / 3]], dtype=F64))
     assert m["tis_weight_mean"].item() == pytest.approx(3.5 / 3)
     # IcePop (0.6, 2.5): pi_old/mu = [3, 0.5, 1] -> keep only token 2; dropped tokens stay in the
     #   token-mean denominator: loss = -1/3
     loss, grad, m = run(
-        "grpo", leaf([[0.0, 0.0, 0.0]]), adv, mask, old_log_probs=old, icepop_range=(0.6, 2.5)
+        "grpo", leaf(old.tolist()), adv, mask, old_log_probs=old, icepop_range=(0.6, 2.5)
     )
     assert loss.item() == pytest.approx(-1 / 3, abs=1e-12)
     torch.testing.assert_close(grad, torch.tensor([[0.0, 0.0, -1 / 3]], dtype=F64))
     assert m["icepop_keep_rate"].item() == pytest.approx(1 / 3)
 
 
-def test_tis_without_old_log_probs_is_inert_and_warns():
+def test_tis_without_old_log_probs_is_refused():
+    # TIS implies the recomputed-old denominator (slime's form), which needs old_log_probs
+    assert ObjectiveConfig(tis_cap=2.0).ratio_denominator == "recomputed_old"
     lp, adv, mask = grpo_batch()
-    base, base_grad, _ = run("grpo", lp, adv, mask)
-    lp, adv, mask = grpo_batch()
-    with pytest.warns(UserWarning, match="old_log_probs is None"):
-        loss, grad, _ = run("grpo", lp, adv, mask, tis_cap=2.0)
-    assert torch.equal(loss, base) and torch.equal(grad, base_grad)
+    with pytest.raises(ValueError, match="old_log_probs is required.*recomputed_old"):
+        run("grpo", lp, adv, mask, tis_cap=2.0)
 
 
 def test_reference_kl_k3_by_hand():

@@ -334,8 +334,10 @@ def test_rl_loop_runs_at_data_parallel_two(dp_run):
 
 
 def test_recomputed_old_denominator_is_refused_for_stale_samples(trainer, batch):
+    # SAT measures staleness against mu: refused; a plain GRPO clip (as the SAT paper ran its
+    # baselines) is allowed with a warning that it is inert (checked by tests/test_tis.py)
     samples, advantages = batch
-    objective = ObjectiveConfig(name="grpo", ratio_denominator="recomputed_old")
+    objective = ObjectiveConfig(name="sat-grpo", ratio_denominator="recomputed_old")
     with pytest.raises(ValueError, match="recomputed_old.*2 version"):
         trainer.rl_step(samples, advantages, objective, trainer_version=TRAINER_VERSION)
 
@@ -352,7 +354,7 @@ def test_config_refuses_recomputed_denominator_in_async_run():
         load_config(
             None,
             ["objective.ratio_denominator=recomputed_old", "rollout.update_weights_interval=4"],
-        )
+        )  # the default objective is sat-gspo
     cfg = load_config(None, ["objective.ratio_denominator=recomputed_old"])  # on-policy: fine
     assert cfg.objective.ratio_denominator == "recomputed_old"
     with pytest.raises(ValueError, match="ratio_denominator must be one of"):

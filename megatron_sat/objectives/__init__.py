@@ -1,5 +1,6 @@
-"""Pure-maths RL objectives: advantages, clipped policy losses (GRPO, GSPO, SAT, DPPO), SAT
-trust regions, loss aggregation and mismatch metrics. No I/O, no process groups: distributed
+"""Pure-maths RL objectives: advantages, clipped policy losses (GRPO, GSPO, SAT, DPPO, TIS,
+CISPO, M2PO), SAT trust regions, loss aggregation, mismatch metrics and the importance
+weights' effective sample size. No I/O, no process groups: distributed
 denominators and the global SAT quantile are computed by the caller and passed in."""
 
 from megatron_sat.objectives.advantages import compute_grpo_advantages, informative_groups
@@ -14,15 +15,21 @@ from megatron_sat.objectives.metrics import (
     mismatch_terms,
 )
 from megatron_sat.objectives.policy_loss import (
+    INERT_CLIP_WARNING,
     OBJECTIVES,
     RATIO_DENOMINATORS,
+    RECOMPUTED_OLD_INERT_CLIP,
     SAT_STALENESS,
     LossInputs,
     ObjectiveConfig,
     ObjectiveTerms,
     clipped_surrogate,
+    ess_from_moments,
+    importance_weight_metrics,
+    m2po_mask,
     policy_loss,
     prepare_inputs,
+    recomputed_old_when_stale,
     sat_abs_staleness,
 )
 from megatron_sat.objectives.sat import (
@@ -34,9 +41,11 @@ from megatron_sat.objectives.sat import (
 )
 
 __all__ = [
+    "INERT_CLIP_WARNING",
     "LOSS_AGG_MODES",
     "OBJECTIVES",
     "RATIO_DENOMINATORS",
+    "RECOMPUTED_OLD_INERT_CLIP",
     "SAT_STALENESS",
     "LossInputs",
     "ObjectiveConfig",
@@ -48,6 +57,9 @@ __all__ = [
     "clip_indicators",
     "clipped_surrogate",
     "compute_grpo_advantages",
+    "ess_from_moments",
+    "importance_weight_metrics",
+    "m2po_mask",
     "informative_groups",
     "hill_kernel",
     "k3_estimator",
@@ -56,6 +68,7 @@ __all__ = [
     "mismatch_terms",
     "policy_loss",
     "prepare_inputs",
+    "recomputed_old_when_stale",
     "sat_abs_staleness",
     "sat_metrics",
     "sat_radii",

@@ -28,9 +28,14 @@ Deliberate choices where ALGORITHMS.md leaves room, and departures:
   and its quantile is the token-weighted quantile of the B sequence proxies: exactly the
   quantile over the broadcast tokens of Eq. 20, at O(B) instead of O(tokens) cost.
 - The ratio's denominator is `ObjectiveConfig.ratio_denominator`: the rollout engine's mu
-  (default, SAT Eq. 1) or recomputed old trainer log-probs (`old_log_probs`, required then).
-- TIS / IcePop weights apply to the policy-gradient term only, not the KL term; without
-  `old_log_probs` pi_old = mu, so they are inert (a warning says so).
+  (SAT Eq. 1) or recomputed old trainer log-probs (`old_log_probs`, required then).
+- TIS / IcePop are slime's form, as the SAT paper ran them: the clip acts on pi / pi_old
+  ("recomputed_old", implied by `tis_cap` / `icepop_range`) and the detached weight
+  min(pi_old / mu, C) corrects the rest, so pi / mu is counted once. The weights apply to the
+  policy-gradient term only, not the KL term.
+- CISPO (MiniMax-M1, arXiv 2506.13585 Eq. 4) and M2PO (Zheng et al., arXiv 2510.01161
+  Algorithm 1, Eq. 5) are optional rows beyond the SAT paper's grid; `ess` (Kong 1992) is
+  logged for every objective.
 """
 
 from __future__ import annotations
@@ -69,7 +74,7 @@ class ObjectiveConfig:
 
     Attributes:
         name: Objective, a key of `OBJECTIVES`: "grpo" (alias "ppo"), "gspo", "gspo-token",
-            "sat-grpo", "sat-gspo", "dppo-tv", "dppo-kl".
+            "sat-grpo", "sat-gspo", "dppo-tv", "dppo-kl", "cispo", "m2po".
         eps_low: Lower clip radius, in [0, 1] (ratio >= 1 - eps_low). 0.2 in the SAT paper,
             3e-4 in the GSPO paper.
         eps_high: Upper clip radius, >= 0 (ratio <= 1 + eps_high). 0.2 / 4e-4 as above.
@@ -81,15 +86,21 @@ class ObjectiveConfig:
         icepop_range: (alpha, beta), 0 <= alpha < beta: IcePop keeps tokens with
             alpha <= pi_old / mu <= beta; None disables IcePop.
         dual_clip_c: Dual-clip constant c > 1 for A < 0; None disables it.
+        m2po_tau: M2PO's threshold tau_M2 > 0 on the second moment of log r (0.04 in the
+            M2PO paper, Section 5.2, and AReaL's `actor.m2_threshold` example).
         kl_coef: Coefficient (>= 0) of the k3 KL to the reference policy; 1e-3 in the SAT paper.
         entropy_coef: Coefficient (>= 0) of the entropy bonus: `loss -= entropy_coef *
             agg(H)`, H the policy's per-token entropy (`entropy` of `policy_loss`); 0 = off.
         ratio_denominator: log-probs in the ratio's denominator: "rollout" = the rollout
-            engine's log mu (SAT Eq. 1, the default) or "recomputed_old" = old log-probs that the
-            trainer recomputes with its own weights before the update (`old_log_probs`). With one
-            optimizer step per batch the recomputed old policy *is* the current policy, so r = 1
-            and every clip is inert unless the samples are on-policy; `RunConfig` therefore
-            refuses "recomputed_old" for asynchronous runs (update_weights_interval > 1).
+            engine's log mu (SAT Eq. 1) or "recomputed_old" = old log-probs that the trainer
+            recomputes with its own weights before the update (`old_log_probs`, slime's
+            default). None (the default) resolves on construction to "recomputed_old" when
+            TIS or IcePop is on and to "rollout" otherwise. TIS / IcePop (slime's form, as the
+            SAT paper ran them) clip the update ratio pi / pi_old and correct the rest with
+            sg[min(pi_old / mu, C)], so they need "recomputed_old"; "rollout" with them is
+            refused (it would count pi / mu twice: r * min(r, C)). Without TIS, with one
+            optimizer step per batch the recomputed old policy *is* the current policy, so
+            r = 1 and every clip is inert on stale samples; see `recomputed_old_when_stale`.
 
     Raises:
         ValueError: naming the field, for an unknown name or mode or an out-of-range value.
@@ -105,9 +116,10 @@ class ObjectiveConfig:
     tis_cap: float | None = None
     icepop_range: tuple[float, float] | None = None
     dual_clip_c: float | None = None
+    m2po_tau: float = 0.04
     kl_coef: float = 0.0
     entropy_coef: float = 0.0
-    ratio_denominator: str = "rollout"
+    ratio_denominator: str | None = None
 
     def __post_init__(self) -> None:
         def check(ok: bool, name: str, requirement: str) -> None:
@@ -140,14 +152,25 @@ class ObjectiveConfig:
             self.icepop_range = (float(lo), float(hi))
         c = self.dual_clip_c
         check(c is None or (finite(c) and c > 1), "dual_clip_c", "None or finite and > 1")
+        check(finite(self.m2po_tau) and self.m2po_tau > 0, "m2po_tau", "finite and > 0")
         check(finite(self.kl_coef) and self.kl_coef >= 0, "kl_coef", "finite and >= 0")
         check(
             finite(self.entropy_coef) and self.entropy_coef >= 0, "entropy_coef", "finite and >= 0"
         )
+        corrected = self.tis_cap is not None or self.icepop_range is not None
+        if self.ratio_denominator is None:
+            self.ratio_denominator = "recomputed_old" if corrected else "rollout"
         check(
             self.ratio_denominator in RATIO_DENOMINATORS,
             "ratio_denominator",
-            f"one of {RATIO_DENOMINATORS}",
+            f"one of {RATIO_DENOMINATORS} (or None)",
+        )
+        check(
+            not (corrected and self.ratio_denominator == "rollout"),
+            "ratio_denominator",
+            "'recomputed_old' (or None) with tis_cap/icepop_range: TIS and IcePop clip the "
+            "update ratio pi/pi_old and weight by sg[min(pi_old/mu, C)]; dividing by mu as well "
+            "would count pi/mu twice",
         )
         if norm is not None and self.loss_agg_mode != "seq-mean-token-sum-norm":
             warnings.warn(
@@ -451,6 +474,81 @@ def dppo_kl_objective(
     return _dppo(binary_kl, inp, config)
 
 
+def cispo_objective(
+    inp: LossInputs, config: ObjectiveConfig, sat_quantile: Tensor | float | None
+) -> ObjectiveTerms:
+    """CISPO: `S = sg[clip(r, 1 - eps_low, 1 + eps_high)] * A * log pi_j` (MiniMax-M1 Eq. 4).
+
+    The clip bounds the detached importance weight instead of the update, so a clipped token
+    still passes gradient `sg[clip(r)] * A` (peers: slime `compute_cispo_loss`, verl `cispo`).
+    The canonical setting has no lower bound: `eps_low = 1` (bound 0). The clip fractions count
+    the PPO-style binding side (A < 0 below, A > 0 above), as for the other objectives.
+    """
+    ratio = token_ratio(inp).detach()
+    eps_low, eps_high = ratio.new_tensor(config.eps_low), ratio.new_tensor(config.eps_high)
+    weight = torch.clamp(ratio, min=1.0 - eps_low, max=1.0 + eps_high)
+    return ObjectiveTerms(weight * inp.advantages * inp.log_probs, ratio, eps_low, eps_high)
+
+
+def m2po_mask(log_ratio: Tensor, advantages: Tensor, mask: Tensor, tau: float) -> Tensor:
+    """[B, T] bool keep mask of M2PO Algorithm 1 (Zheng, Zhao, Chen, arXiv 2510.01161).
+
+    Among the "trust-region" tokens (active, with `A * log r > 0`: the side a PPO clip could
+    bind, Section 5.2), the tokens with the largest `M2_i = (log r_i)^2` are dropped one by one
+    until the mean M2 of the remaining trust-region tokens is <= tau. Other tokens are always
+    kept. Ties are dropped in row-major order (a stable sort). The batch is the tensor given:
+    the trainer passes one micro-batch (exact for one micro-batch per step).
+
+    Args:
+        log_ratio: [B, T] `log pi_j - log mu` (detached here).
+        advantages: [B, T].
+        mask: [B, T] bool, active tokens.
+        tau: threshold tau_M2 > 0.
+
+    Returns:
+        [B, T] bool, True = keep.
+    """
+    with torch.no_grad():
+        trust = mask & (advantages * log_ratio > 0)
+        m2 = log_ratio.square()[trust]
+        n = m2.numel()
+        keep = torch.ones_like(mask)
+        if n == 0:
+            return keep
+        values, order = torch.sort(m2, descending=True, stable=True)
+        # remaining mean after dropping the k largest, k = 0..n-1 (k = n leaves none: mean 0)
+        suffix = values.flip(0).cumsum(0).flip(0)
+        remaining = torch.arange(n, 0, -1, device=m2.device, dtype=m2.dtype)
+        ok = torch.cat([suffix / remaining <= tau, torch.ones(1, dtype=torch.bool)])
+        k = int(torch.nonzero(ok)[0])
+        dropped = torch.zeros(n, dtype=torch.bool, device=m2.device)
+        dropped[order[:k]] = True
+        keep[trust] = ~dropped
+        return keep
+
+
+def m2po_objective(
+    inp: LossInputs, config: ObjectiveConfig, sat_quantile: Tensor | float | None
+) -> ObjectiveTerms:
+    """M2PO: the unclipped `S = M * r * A` with M the second-moment mask (M2PO Eq. 5).
+
+    Masked tokens stay in the aggregation denominator (the paper's footnote 2: it averages over
+    all tokens). Metrics: `m2po_m2` (M2 over all active tokens, before masking) and
+    `m2po_mask_rate` (share of active tokens dropped).
+    """
+    ratio = token_ratio(inp)
+    log_ratio = inp.log_ratio.detach()
+    keep = m2po_mask(log_ratio, inp.advantages, inp.mask, config.m2po_tau)
+    surrogate = torch.where(keep, ratio * inp.advantages, torch.zeros_like(ratio))
+    # radii that never bind (bounds 0 and inf): clip fractions are 0 for an unclipped objective
+    eps_low, eps_high = ratio.new_tensor(1.0), ratio.new_tensor(math.inf)
+    metrics = {
+        "m2po_m2": masked_mean(log_ratio.square(), inp.mask),
+        "m2po_mask_rate": masked_mean((~keep).to(ratio.dtype), inp.mask),
+    }
+    return ObjectiveTerms(surrogate, ratio.detach(), eps_low, eps_high, metrics)
+
+
 ObjectiveFn = Callable[[LossInputs, ObjectiveConfig, Tensor | float | None], ObjectiveTerms]
 
 OBJECTIVES: Mapping[str, ObjectiveFn] = types.MappingProxyType(
@@ -463,7 +561,41 @@ OBJECTIVES: Mapping[str, ObjectiveFn] = types.MappingProxyType(
         "sat-gspo": sat_gspo_objective,
         "dppo-tv": dppo_tv_objective,
         "dppo-kl": dppo_kl_objective,
+        "cispo": cispo_objective,
+        "m2po": m2po_objective,
     }
+)
+
+# Objectives whose ratio may divide by the recomputed old policy on stale samples, as the SAT
+# paper ran its GRPO/GSPO baselines (Table 9: slime's recomputed log-probs): with one optimizer
+# step per batch r = 1, so their clip is inert (allowed with a warning). SAT, DPPO and M2PO
+# measure staleness against mu and are refused; TIS / IcePop correct pi_old to mu.
+RECOMPUTED_OLD_INERT_CLIP: frozenset[str] = frozenset(
+    {"grpo", "ppo", "gspo", "gspo-token", "cispo"}
+)
+
+
+def recomputed_old_when_stale(config: ObjectiveConfig) -> str:
+    """What a "recomputed_old" denominator means on samples older than the trainer's weights.
+
+    Returns:
+        "ok" (not "recomputed_old", or TIS / IcePop: pi_old is their inner reference and the
+        weight min(pi_old / mu, C) corrects it to mu), "inert" (a plain clip on pi / pi_old = 1:
+        no trust region against the behaviour policy, as the SAT paper ran GRPO / GSPO; allowed,
+        callers warn) or "refused" (SAT, DPPO, M2PO: their staleness measure would be 0).
+    """
+    if config.ratio_denominator != "recomputed_old":
+        return "ok"
+    if config.tis_cap is not None or config.icepop_range is not None:
+        return "ok"
+    return "inert" if config.name in RECOMPUTED_OLD_INERT_CLIP else "refused"
+
+
+INERT_CLIP_WARNING = (
+    "objective.ratio_denominator='recomputed_old' on stale samples without TIS: the recomputed "
+    "old policy is the current one (one optimizer step per batch), so the ratio is 1 and the "
+    "clip is inert -- no trust region against the rollout policy (how the SAT paper ran its "
+    "GRPO/GSPO baselines, Table 9)"
 )
 
 # SAT objectives and their staleness proxy (for `sat_abs_staleness` and ignored-q warnings).
@@ -570,22 +702,19 @@ def _correction_weights(
 ) -> tuple[Tensor | None, dict[str, Tensor]]:
     """Detached per-token TIS weight times IcePop keep mask, or None when neither is on.
 
-    `x = log pi_old - log mu` (`rollout` = masked log mu, whatever the ratio divides by), with
-    pi_old = mu (x = 0) when `old_log_probs` is None.
+    `x = log pi_old - log mu` (`rollout` = masked log mu; the ratio divides by pi_old), so the
+    gradient weight of an unclipped token is (pi / pi_old) * min(pi_old / mu, C): with one
+    optimizer step per batch (pi = pi_old) it is min(pi / mu, C), pi / mu counted once (slime's
+    `--use-tis`; ALGORITHMS.md).
     TIS: `w = min(exp(x), C)`, computed as exp(min(x, log C)) so it cannot overflow.
     IcePop: keep iff `log alpha <= x <= log beta`, compared in log space.
     """
     if config.tis_cap is None and config.icepop_range is None:
         return None, {}
-    if old_log_probs is None:
-        warnings.warn(
-            "tis_cap/icepop_range are set but old_log_probs is None: pi_old = mu, so TIS weights "
-            "are 1 and IcePop keeps every token",
-            stacklevel=3,
-        )
-        x = torch.zeros_like(inp.log_probs)
-    else:
-        x = _masked(old_log_probs.detach(), inp.mask, inp.log_probs.dtype) - rollout
+    # ObjectiveConfig makes TIS/IcePop imply "recomputed_old", whose old_log_probs policy_loss
+    # requires: the ratio (clipped) is pi / pi_old and this weight corrects pi_old to mu.
+    assert old_log_probs is not None
+    x = _masked(old_log_probs.detach(), inp.mask, inp.log_probs.dtype) - rollout
     weight = torch.ones_like(x)
     metrics: dict[str, Tensor] = {}
     if config.tis_cap is not None:
@@ -661,9 +790,11 @@ def policy_loss(
         tensors over this batch: `pg_loss`, `clipfrac_low`, `clipfrac_high` (`clipfrac_dual`),
         `mismatch_abs_logratio`, `k1`, `k3` (token means), `seq_abs_log_ratio` (mean over rows
         with an active token of |log rho_b| vs mu, the sequence-level mismatch),
-        `num_active_tokens`, `num_seqs` (rows with >= 1 active token); SAT objectives add
+        `num_active_tokens`, `num_seqs` (rows with >= 1 active token), `ess`,
+        `is_weight_mean`, `is_weight_sq_mean` (`importance_weight_metrics`); SAT objectives add
         `sat_q`, `sat_gate_rate`, `sat_eps_low_mean`, `sat_eps_high_mean`, `sat_c_plus_min`,
-        `sat_c_minus_min`; DPPO adds `dppo_drop_rate`; TIS `tis_weight_mean`; IcePop
+        `sat_c_minus_min`; DPPO adds `dppo_drop_rate`; M2PO `m2po_m2`, `m2po_mask_rate`;
+        TIS `tis_weight_mean`; IcePop
         `icepop_keep_rate`; `kl_loss` when `kl_coef > 0`; `entropy` (token mean) when
         `entropy` is given; with `sample_age`,
         `age{a}/clipfrac_low`, `age{a}/clipfrac_high`, `age{a}/mismatch_abs_logratio`,
@@ -725,6 +856,7 @@ def policy_loss(
     )
     mismatch = mismatch_terms(inp.log_probs, rollout, inp.mask)
     metrics = {
+        **importance_weight_metrics(inp.log_probs, rollout, inp.mask),
         "pg_loss": pg_loss.detach(),
         "num_active_tokens": inp.mask.sum().to(pg_loss.dtype),
         **{name: masked_mean(value, inp.mask) for name, value in clip.items()},
@@ -757,6 +889,40 @@ def policy_loss(
         if config.entropy_coef > 0:
             loss = loss - config.entropy_coef * agg(per_token_entropy)
     return loss, {k: v.detach() for k, v in metrics.items()}
+
+
+def importance_weight_metrics(
+    log_probs: Tensor, rollout_log_probs: Tensor, mask: Tensor
+) -> dict[str, Tensor]:
+    """Effective sample size of the importance weights `w = pi_j / mu` over active tokens.
+
+    `ess = (sum w)^2 / (N sum w^2) = mean(w)^2 / mean(w^2)` (Kong 1992; VCPO, arXiv 2602.17616,
+    reads its fall as an early warning of collapse): 1 when every w is equal (on-policy),
+    toward 1/N when one token dominates. `log w` is clamped to [-20, 20] as for the ratios.
+    The token means `is_weight_mean` and `is_weight_sq_mean` are returned too, so that a
+    trainer combining micro-batches recomputes the exact global ess from their global means
+    (the token-weighted mean of per-micro-batch ess values is not the global ess).
+
+    Args:
+        log_probs, rollout_log_probs: [B, T] log pi_j and log mu (masked, finite).
+        mask: [B, T] bool, active tokens.
+
+    Returns:
+        Detached 0-dim `ess` (1 for a batch without active tokens), `is_weight_mean`,
+        `is_weight_sq_mean`.
+    """
+    with torch.no_grad():
+        w = _exp_ratio(log_probs - rollout_log_probs)
+        m1, m2 = masked_mean(w, mask), masked_mean(w.square(), mask)
+        return {"ess": ess_from_moments(m1, m2), "is_weight_mean": m1, "is_weight_sq_mean": m2}
+
+
+def ess_from_moments(mean_w: Tensor | float, mean_w_sq: Tensor | float) -> Tensor | float:
+    """`mean(w)^2 / mean(w^2)`; 1 when `mean_w_sq` is 0 (no active token)."""
+    if isinstance(mean_w_sq, Tensor):
+        safe = torch.where(mean_w_sq > 0, mean_w_sq, torch.ones_like(mean_w_sq))
+        return torch.where(mean_w_sq > 0, mean_w**2 / safe, torch.ones_like(mean_w_sq))
+    return mean_w**2 / mean_w_sq if mean_w_sq > 0 else 1.0
 
 
 def _sequence_metrics(neg_log_ratio: Tensor, mask: Tensor) -> dict[str, Tensor]:

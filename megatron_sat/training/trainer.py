@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -17,9 +18,12 @@ from megatron_sat.checkpoint.hf_io import (
 from megatron_sat.config import TrainConfig
 from megatron_sat.models import build_gpt_model, transformer_config_from_hf
 from megatron_sat.objectives import (
+    INERT_CLIP_WARNING,
     SAT_STALENESS,
     ObjectiveConfig,
+    ess_from_moments,
     policy_loss,
+    recomputed_old_when_stale,
     sat_abs_staleness,
 )
 from megatron_sat.rollout.types import Sample, staleness
@@ -430,13 +434,17 @@ class PolicyTrainer:
                 "construct the PolicyTrainer with reference=True"
             )
         recomputed = objective.ratio_denominator == "recomputed_old"
-        if recomputed and trainer_version is not None:
+        verdict = recomputed_old_when_stale(objective)  # "ok" for TIS/IcePop (slime's form)
+        if verdict != "ok" and trainer_version is not None:
             oldest = global_max(max((a for a in ages if a is not None), default=0), group)
-            if oldest > 0:
+            if oldest > 0 and verdict == "refused":
                 raise ValueError(
                     f"ObjectiveConfig.ratio_denominator='recomputed_old' divides by the current "
-                    f"policy, but a sample is {oldest} version(s) old: use 'rollout'"
+                    f"policy, but a sample is {oldest} version(s) old and {objective.name!r} "
+                    "measures staleness against mu: use 'rollout'"
                 )
+            if oldest > 0:
+                warnings.warn(INERT_CLIP_WARNING, stacklevel=2)
 
         live = self._no_grad_log_probs(forwards, replay=False)[: len(mbs)]
         needs_old = (
@@ -511,6 +519,10 @@ class PolicyTrainer:
         if not update_ok:
             raise RuntimeError("optimizer step was skipped (non-finite gradients)")
         metrics = acc.reduce(group)
+        if "is_weight_sq_mean" in metrics:  # the global ess, not a mean of per-batch ones
+            metrics["ess"] = ess_from_moments(
+                metrics["is_weight_mean"], metrics["is_weight_sq_mean"]
+            )
         metrics.update(num_tokens=num_tokens, num_seqs=num_seqs)
         if grad_norm is not None:  # megatron-core computes it only to clip (train.clip_grad > 0)
             metrics["grad_norm"] = float(grad_norm)
