@@ -168,6 +168,23 @@ class TrainConfig:
         distributed_timeout_minutes: timeout of the trainer ranks' collectives (torchrun). The
             ranks other than 0 wait in one while rank 0 generates and evaluates, so it must
             exceed the longest rollout + evaluation phase (NCCL's default is 10 minutes).
+        params_dtype: "bf16" (bf16 weights; float32 main weights, gradients and Adam moments
+            through megatron-core's mixed-precision optimizer; routers float32) or "fp32";
+            None: the device's default (bf16 on CUDA, fp32 on the CPU,
+            ``platform.default_params_dtype``).
+        use_distributed_optimizer: megatron-core's DistributedOptimizer (main weights and
+            moments sharded over the data-parallel ranks, dense and expert alike). None: on
+            whenever a data-parallel size (dense or expert) is above 1; True/False forces it.
+        optimizer_cpu_offload: keep the optimizer's main weights and moments in host memory and
+            step there (megatron-core's HybridDeviceOptimizer; needs the distributed optimizer,
+            AdamW and CUDA).
+        use_precision_aware_optimizer: bf16 Adam moments (megatron-core's precision-aware
+            optimizer: transformer-engine's FusedAdam, or the CPU offload's optimizer; needs the
+            distributed optimizer).
+        recompute_granularity: activation recompute, megatron-core's: "full" (whole layers,
+            uniform chunks of ``recompute_num_layers``), "selective" (core attention) or
+            "none". R3 replays the rollout's routes in the recomputed forward too.
+        recompute_num_layers: layers per recomputed chunk under "full".
     """
 
     num_steps: int = 40
@@ -184,10 +201,31 @@ class TrainConfig:
     resume: bool = False
     seed: int = 1234
     distributed_timeout_minutes: float = 120.0
+    params_dtype: str | None = None
+    use_distributed_optimizer: bool | None = None
+    optimizer_cpu_offload: bool = False
+    use_precision_aware_optimizer: bool = False
+    recompute_granularity: str = "none"
+    recompute_num_layers: int = 1
 
     def __post_init__(self) -> None:
         _positive("train", self, "num_steps", "micro_batch_size", "lr", "eval_every")
-        _positive("train", self, "distributed_timeout_minutes")
+        _positive("train", self, "distributed_timeout_minutes", "recompute_num_layers")
+        if self.params_dtype not in (None, "bf16", "fp32"):
+            raise ValueError(
+                f"train.params_dtype must be 'bf16', 'fp32' or null, got {self.params_dtype!r}"
+            )
+        if self.recompute_granularity not in ("none", "full", "selective"):
+            raise ValueError(
+                "train.recompute_granularity must be 'none', 'full' or 'selective', got "
+                f"{self.recompute_granularity!r}"
+            )
+        for name in ("optimizer_cpu_offload", "use_precision_aware_optimizer"):
+            if getattr(self, name) and self.use_distributed_optimizer is False:
+                raise ValueError(
+                    f"train.{name}=true needs the distributed optimizer: "
+                    "train.use_distributed_optimizer is false"
+                )
         if self.max_tokens_per_micro_batch is not None:
             _positive("train", self, "max_tokens_per_micro_batch")
         if self.save_every < 0:

@@ -20,6 +20,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from megatron_sat.platform import get_device, have_transformer_engine, transformer_device_fields
+
 # HF architectures name -> module of megatron_sat.models that derives its TransformerConfig.
 ARCHITECTURES: dict[str, str] = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
@@ -61,10 +63,14 @@ class ModelLayout:
             requires it).
         expert_tensor_parallel_size: TP degree of the experts (None: megatron-core's default,
             the TP size; 1 lets TP2 x EP2 run on 2 ranks).
-        params_dtype: parameter dtype (float32 on CPU).
+        params_dtype: parameter dtype (``train.params_dtype``: bfloat16 by default on CUDA,
+            float32 on the CPU). Routers compute in float32 either way (``moe_router_dtype``).
         moe_token_dispatcher_type: ``alltoall`` or ``allgather``.
         moe_enable_routing_replay: give every router a megatron-core ``RouterReplay`` (R3).
-        recompute_granularity: None or ``full`` (uniform, one layer per chunk).
+        recompute_granularity: None, ``full`` or ``selective`` (megatron-core's activation
+            recompute; R3 replays the same routes in the recomputed forward,
+            ``routing.replay``).
+        recompute_num_layers: layers per recomputed chunk under ``full`` (uniform method).
     """
 
     tensor_model_parallel_size: int = 1
@@ -75,6 +81,7 @@ class ModelLayout:
     moe_token_dispatcher_type: str = "alltoall"
     moe_enable_routing_replay: bool = True
     recompute_granularity: str | None = None
+    recompute_num_layers: int = 1
 
 
 _LAYOUT_FIELDS = frozenset(f.name for f in dataclasses.fields(ModelLayout))
@@ -131,6 +138,32 @@ def _tensor_cuda_is_identity_on_cpu():
         torch.Tensor.cuda = original  # type: ignore[method-assign]
 
 
+def keep_router_fp32(model: torch.nn.Module) -> list[str]:
+    """Make every MoE router's weight (and bias) and its ``expert_bias`` / token-count buffers
+    float32 in place, whatever ``params_dtype`` the model was built with; returns the names of
+    the tensors it converted.
+
+    megatron-core builds the router weight in ``params_dtype`` and only computes in
+    ``moe_router_dtype``; generic casts (``Float16Module``, ``module.bfloat16()``) would also
+    turn ``expert_bias`` bf16, where DeepSeek-V3's bias updates of ~1e-3 round away. The
+    mixed-precision optimizer keeps float32 parameters as their own main parameters, so the
+    router is then trained and exported in float32. Call before the DDP wrapper is built (it
+    buckets parameters by dtype).
+    """
+    from megatron.core.transformer.moe.router import Router
+
+    converted = []
+    for name, module in model.named_modules():
+        if not isinstance(module, Router):
+            continue
+        for attr in ("weight", "bias", "expert_bias", "local_tokens_per_expert"):
+            tensor = getattr(module, attr, None)
+            if torch.is_tensor(tensor) and tensor.dtype != torch.float32:
+                tensor.data = tensor.data.float()
+                converted.append(f"{name}.{attr}")
+    return converted
+
+
 def require(hf_config: Mapping[str, Any], key: str) -> Any:
     """``hf_config[key]``; raises ``ValueError`` naming the key when it is absent or null."""
     value = hf_config.get(key)
@@ -141,8 +174,9 @@ def require(hf_config: Mapping[str, Any], key: str) -> Any:
 
 def common_transformer_kwargs(hf_config: Mapping[str, Any], layout: ModelLayout) -> dict[str, Any]:
     """``TransformerConfig`` fields shared by every family: sizes, norms, SwiGLU, the layout,
-    CPU-safe settings (CPU initialisation, fusions off), no aux loss, dropout from config.json.
-    ``pipeline_dtype`` is the parameter dtype when PP > 1.
+    the device's settings (CPU initialisation and fusions:
+    ``platform.transformer_device_fields``), routers in float32, no aux loss, dropout from
+    config.json. ``pipeline_dtype`` is the parameter dtype when PP > 1.
 
     Raises:
         ValueError: for ``hidden_act`` other than ``silu``, or a vocabulary that does not split
@@ -179,26 +213,22 @@ def common_transformer_kwargs(hf_config: Mapping[str, Any], layout: ModelLayout)
         expert_model_parallel_size=layout.expert_model_parallel_size,
         pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
         sequence_parallel=tp > 1,
-        # CPU initialisation makes TP runs bit-identical to TP=1; fusions need CUDA kernels.
-        use_cpu_initialization=True,
-        bias_activation_fusion=False,
-        masked_softmax_fusion=False,
-        persist_layer_norm=False,
-        bias_dropout_fusion=False,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
-        moe_router_fusion=False,
+        # Router logits, scores and top-k in float32 whatever params_dtype is: bf16 router
+        # logits tie and flip experts (the train-rollout mismatch R3 exists to remove).
+        moe_router_dtype="fp32",
+        # CPU initialisation on the CPU (TP runs bit-identical to TP=1), fusions with CUDA.
+        **transformer_device_fields(get_device(), use_transformer_engine=have_transformer_engine()),
     )
     if layout.pipeline_model_parallel_size > 1:
         kwargs["pipeline_dtype"] = layout.params_dtype
     if layout.expert_tensor_parallel_size is not None:
         kwargs["expert_tensor_parallel_size"] = layout.expert_tensor_parallel_size
     if layout.recompute_granularity is not None:
-        kwargs.update(
-            recompute_granularity=layout.recompute_granularity,
-            recompute_method="uniform",
-            recompute_num_layers=1,
-        )
+        kwargs["recompute_granularity"] = layout.recompute_granularity
+        if layout.recompute_granularity == "full":
+            kwargs.update(
+                recompute_method="uniform", recompute_num_layers=layout.recompute_num_layers
+            )
     return kwargs
 
 
@@ -228,7 +258,6 @@ def build_generic_gpt_model(
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     from megatron_sat.models.qwen3_moe import hf_rope_theta
-    from megatron_sat.platform import have_transformer_engine
 
     if use_transformer_engine is None:
         use_transformer_engine = have_transformer_engine()

@@ -26,8 +26,77 @@ def get_device() -> torch.device:
 
 
 def default_backend() -> str:
-    """torch.distributed backend for this machine: nccl with CUDA, gloo without."""
-    return "nccl" if torch.cuda.is_available() else "gloo"
+    """torch.distributed backend for this machine's trainer world.
+
+    Without CUDA: ``gloo``. With CUDA: ``cpu:gloo,cuda:nccl``, torch's per-device backend: the
+    model's collectives (CUDA tensors) run on NCCL, while the small host-side collectives of
+    the step's bookkeeping (loss denominators, metric sums, micro-batch counts, which are CPU
+    tensors) run on gloo instead of failing on NCCL. megatron-core's groups inherit it
+    (``new_group(backend=None)`` takes the world's backend string).
+    """
+    return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+
+
+# train.params_dtype names -> torch dtypes.
+PARAMS_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def default_params_dtype(device: torch.device | None = None) -> str:
+    """The trainer's parameter dtype when ``train.params_dtype`` is not set: ``"bf16"`` on CUDA
+    (bf16 weights, fp32 main weights and gradients), ``"fp32"`` on the CPU (exact parity tests;
+    the CPU has no bf16 speed-up to gain)."""
+    device = get_device() if device is None else device
+    return "bf16" if device.type == "cuda" else "fp32"
+
+
+def transformer_device_fields(device: torch.device, *, use_transformer_engine: bool) -> dict:
+    """The ``TransformerConfig`` fields that depend on the device (every other field is the
+    model's or the layout's).
+
+    - ``use_cpu_initialization``: True only on the CPU. On CUDA megatron-core initialises each
+      shard on the device (the full matrix is not materialised on the host).
+    - Fusions on with CUDA: ``bias_activation_fusion`` (SwiGLU, torch.jit),
+      ``bias_dropout_fusion``, ``masked_softmax_fusion`` (megatron-core checks the kernel and
+      falls back by itself); with transformer-engine also ``apply_rope_fusion`` and
+      ``gradient_accumulation_fusion`` (both need TE's kernels: megatron-core raises without
+      them). ``persist_layer_norm`` needs apex: off.
+    - ``moe_router_fusion`` stays off everywhere: megatron-core's fused top-k
+      (``moe_utils.topk_routing_with_score_function`` with ``fused=True``) returns before the
+      ``RouterReplay`` hook, so R3 would silently route live (``routing.replay`` refuses it).
+    """
+    cuda = device.type == "cuda"
+    te = cuda and use_transformer_engine
+    return dict(
+        use_cpu_initialization=not cuda,
+        bias_activation_fusion=cuda,
+        masked_softmax_fusion=cuda,
+        bias_dropout_fusion=cuda,
+        persist_layer_norm=False,
+        apply_rope_fusion=te,
+        gradient_accumulation_fusion=te,
+        moe_router_fusion=False,
+    )
+
+
+def to_device(obj, device: torch.device, non_blocking: bool = True):
+    """``obj`` with every tensor moved to ``device``: a tensor, or a dataclass (micro-batches)
+    whose tensor and dataclass fields are moved recursively (other fields are kept). Returns
+    ``obj`` itself when nothing has to move (the CPU)."""
+    import dataclasses
+
+    if torch.is_tensor(obj):
+        return obj if obj.device == device else obj.to(device, non_blocking=non_blocking)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        changes = {}
+        for f in dataclasses.fields(obj):
+            if not f.init:
+                continue
+            value = getattr(obj, f.name)
+            moved = to_device(value, device, non_blocking)
+            if moved is not value:
+                changes[f.name] = moved
+        return dataclasses.replace(obj, **changes) if changes else obj
+    return obj
 
 
 def have_transformer_engine() -> bool:
@@ -192,17 +261,19 @@ def _patch_literal_cuda_tensors() -> None:
         "megatron.core.utils",  # local_multi_tensor_l2_norm, the no-apex fallback
     ):
         importlib.import_module(module).torch = _CpuTorch()
-    # clip_grad_by_total_norm_fp32 asserts grad.type() == 'torch.cuda.FloatTensor' and the
-    # fp32 optimizer wrapper checks param.type() the same way; report CPU float tensors under
-    # the CUDA name for exactly those two checks.
+    # clip_grad_by_total_norm_fp32 asserts grad.type() == 'torch.cuda.FloatTensor'; the fp32
+    # optimizer wrapper, the bf16 mixed-precision optimizer and the distributed optimizer sort
+    # parameters by param.type() into 'torch.cuda.{Float,BFloat16,Half}Tensor' (any other name
+    # raises). Report CPU float tensors under the CUDA names for those checks.
     original_type = torch.Tensor.type
+    cuda_names = {
+        f"torch.{kind}Tensor": f"torch.cuda.{kind}Tensor" for kind in ("Float", "BFloat16", "Half")
+    }
 
     def tensor_type(self, dtype=None, non_blocking=False, **kwargs):
         if dtype is None and not kwargs and self.device.type == "cpu":
             name = original_type(self)
-            if name == "torch.FloatTensor":
-                return "torch.cuda.FloatTensor"
-            return name
+            return cuda_names.get(name, name)
         return original_type(self, dtype, non_blocking, **kwargs)
 
     torch.Tensor.type = tensor_type

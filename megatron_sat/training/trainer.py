@@ -17,6 +17,7 @@ from megatron_sat.checkpoint.hf_io import (
 )
 from megatron_sat.config import TrainConfig
 from megatron_sat.models import build_gpt_model, transformer_config_from_hf
+from megatron_sat.models.registry import keep_router_fp32
 from megatron_sat.objectives import (
     INERT_CLIP_WARNING,
     SAT_STALENESS,
@@ -26,6 +27,7 @@ from megatron_sat.objectives import (
     recomputed_old_when_stale,
     sat_abs_staleness,
 )
+from megatron_sat.platform import PARAMS_DTYPES, get_device, to_device
 from megatron_sat.rollout.types import Sample, staleness
 from megatron_sat.routing.replay import RoutingReplay, capture_routing
 from megatron_sat.routing.slicing import router_token_order
@@ -44,6 +46,7 @@ from megatron_sat.training.micro_batches import (
     fixed_count_micro_batches,
     token_budget_micro_batches,
 )
+from megatron_sat.training.optimizer_layout import resolve_optimizer_layout
 
 
 def _host_copy(tensor: torch.Tensor, pin: bool) -> torch.Tensor:
@@ -133,25 +136,48 @@ class PolicyTrainer:
         self.train_config = train
         self.pad_token_id = pad_token_id
         self.hf_config = hf_config
-        self.config = transformer_config_from_hf(
-            self.hf_config, **parallel.sizes(), moe_enable_routing_replay=True
+        # One device decision (platform.get_device): the model, every micro-batch and the
+        # log-probs live there; the reference policy waits in (pinned, on CUDA) host memory.
+        self.device = get_device()
+        self.optimizer_layout = resolve_optimizer_layout(
+            train,
+            device_type=self.device.type,
+            dp=parallel_state.get_data_parallel_world_size(with_context_parallel=True),
+            edp=parallel_state.get_expert_data_parallel_world_size(),
         )
-        # megatron-core initialises on the CPU here (use_cpu_initialization) from torch's
-        # default generator, which model_parallel_cuda_manual_seed leaves alone: seed it, as
-        # Megatron's _set_random_seed does, or every run starts from other random weights.
+        layout = self.optimizer_layout
+        bf16 = layout.params_dtype == "bf16"
+        self.config = transformer_config_from_hf(
+            self.hf_config,
+            **parallel.sizes(),
+            moe_enable_routing_replay=True,
+            params_dtype=PARAMS_DTYPES[layout.params_dtype],
+            recompute_granularity=(
+                None if train.recompute_granularity == "none" else train.recompute_granularity
+            ),
+            recompute_num_layers=train.recompute_num_layers,
+        )
+        # On the CPU megatron-core initialises on the host (use_cpu_initialization) from
+        # torch's default generator, which model_parallel_cuda_manual_seed leaves alone: seed
+        # it, as Megatron's _set_random_seed does, or every run starts from other random
+        # weights (on CUDA the CUDA RNG tracker seeded by init_distributed draws them).
         # Full matrices are drawn before the TP split, so TP layouts get the single-rank
         # weights; each EP rank draws only its local experts, so it gets its own seed (else
         # experts e and e + E/EP would start equal). Dense weights are then made equal across
         # data-parallel ranks by the DDP broadcast below.
         torch.manual_seed(train.seed + 1000 * parallel_state.get_expert_model_parallel_rank())
         model = build_gpt_model(self.hf_config, self.config)
+        # Routers (weight, expert_bias, token counts) in float32 also in a bf16 model; before
+        # the load (which copies into the parameters' dtype) and before DDP buckets by dtype.
+        keep_router_fp32(model)
+        model.to(self.device)  # dtypes kept; a no-op where megatron-core built it already
         if load_from is not None:
             load_hf_into_model(model, load_from)
         # (parameter, its initial value in host memory); the parameter objects survive the
         # DDP wrapping below (it re-points their storage into its buffers, values unchanged).
         self._reference: list[tuple[torch.nn.Parameter, torch.Tensor]] | None = None
         if reference:
-            pin = torch.cuda.is_available()
+            pin = self.device.type == "cuda"
             self._reference = [(param, _host_copy(param, pin)) for param in model.parameters()]
         # average_in_collective=False (megatron-core's default) pre-scales dense AND expert
         # gradients by 1 / (dense DP size) before summing them over their own DP groups
@@ -162,14 +188,15 @@ class PolicyTrainer:
         self.model = DistributedDataParallel(
             self.config,
             DistributedDataParallelConfig(
-                grad_reduce_in_fp32=True,
-                use_distributed_optimizer=False,
+                grad_reduce_in_fp32=True,  # fp32 main gradients, also for bf16 parameters
+                use_distributed_optimizer=layout.use_distributed_optimizer,
                 average_in_collective=False,
             ),
             model,
         )
         if parallel_state.get_data_parallel_world_size() > 1:
             self.model.broadcast_params()
+        moments_dtype = torch.bfloat16 if layout.use_precision_aware_optimizer else torch.float32
         self.optimizer = get_megatron_optimizer(
             OptimizerConfig(
                 optimizer="adam",
@@ -179,8 +206,18 @@ class PolicyTrainer:
                 adam_beta1=train.adam_beta1,
                 adam_beta2=train.adam_beta2,
                 clip_grad=train.clip_grad,
-                bf16=False,
+                # bf16: megatron-core's mixed-precision optimizer, fp32 main parameters (the
+                # router's fp32 weights are their own), fp32 gradients, fp32 Adam moments
+                # unless precision-aware (bf16 moments).
+                bf16=bf16,
                 fp16=False,
+                params_dtype=PARAMS_DTYPES[layout.params_dtype],
+                use_distributed_optimizer=layout.use_distributed_optimizer,
+                optimizer_cpu_offload=layout.optimizer_cpu_offload,
+                optimizer_offload_fraction=1.0 if layout.optimizer_cpu_offload else 0.0,
+                use_precision_aware_optimizer=layout.use_precision_aware_optimizer,
+                exp_avg_dtype=moments_dtype,
+                exp_avg_sq_dtype=moments_dtype,
             ),
             [self.model],
         )
@@ -226,12 +263,15 @@ class PolicyTrainer:
         token)."""
         rows = self.micro_batch_rows(samples) if rows is None else rows
         return [
-            build_micro_batch(
-                [samples[i] for i in positions],
-                advantages[positions],
-                pad_token_id=self.pad_token_id,
-                routing_shape=self.routing_shape if with_routes else None,
-                pad_to_multiple_of=self.pad_to_multiple_of,
+            to_device(
+                build_micro_batch(
+                    [samples[i] for i in positions],
+                    advantages[positions],
+                    pad_token_id=self.pad_token_id,
+                    routing_shape=self.routing_shape if with_routes else None,
+                    pad_to_multiple_of=self.pad_to_multiple_of,
+                ),
+                self.device,
             )
             for positions in rows
         ]
@@ -252,13 +292,14 @@ class PolicyTrainer:
             response_versions=[],
             routed_experts=np.zeros((0, num_layers, top_k), dtype=np.uint8),
         )
-        return build_micro_batch(
+        filler = build_micro_batch(
             [sample],
             torch.zeros(1),
             pad_token_id=self.pad_token_id,
             routing_shape=self.routing_shape if with_routes else None,
             pad_to_multiple_of=self.pad_to_multiple_of,
         )
+        return to_device(filler, self.device)
 
     def _with_fillers(self, mbs: list[MicroBatch], with_routes: bool) -> list[MicroBatch]:
         """``mbs`` followed by filler micro-batches up to the largest micro-batch count in this
@@ -506,7 +547,7 @@ class PolicyTrainer:
                     global_num_tokens=num_tokens,
                     global_num_seqs=num_seqs,
                     sat_quantile=quantile,
-                    sample_age=ages_tensor(ages, rows[i]),
+                    sample_age=to_device(ages_tensor(ages, rows[i]), self.device),
                     entropy=entropy,
                 )
                 (loss * scale).backward()
@@ -571,7 +612,7 @@ class PolicyTrainer:
         """
         if self._reference is None:
             raise ValueError("this PolicyTrainer holds no reference policy (reference=False)")
-        pin = torch.cuda.is_available()
+        pin = self.device.type == "cuda"
         policy = [_host_copy(param, pin) for param, _ in self._reference]
         with torch.no_grad():
             for param, initial in self._reference:
