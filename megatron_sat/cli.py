@@ -9,12 +9,15 @@ Subcommands:
   eval         avg@n and pass@k of a checkpoint on a held-out set through rollout servers
   convert      checkpoint conversion (arguments of megatron_sat.checkpoint.convert)
   plot         a PNG of the curves of one or more runs, side by side
+  sweep        a grid of runs (methods x lags x seeds) one at a time, resumable, or its SLURM
+               job array (--slurm); ``sweep report`` writes its table.md and figures
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 
 
@@ -38,16 +41,56 @@ def _train(args: argparse.Namespace) -> int:
     if source != "single":
         rank, world = os.environ["RANK"], os.environ["WORLD_SIZE"]
         print(f"megatron-sat train: rank {rank} of {world} (from {source})", file=sys.stderr)
-    from megatron_sat.training.rl import run_rl
+    from megatron_sat.training.rl import run_rl, validate_run
 
     cfg = _load_config("train", args.config, args.overrides)
+    try:  # before anything is built: a wrong layout or an over-long row fails here, named
+        validate_run(cfg)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"megatron-sat train: {e}", file=sys.stderr)
+        return 1
     if args.dry_run:
         import yaml
 
         print(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        print("dry run: the configuration is valid", file=sys.stderr)
         return 0
+    _install_crash_hook(os.environ.get(CRASH_AT_ENV))
     run_rl(cfg)
     return 0
+
+
+CRASH_AT_ENV = "MEGATRON_SAT_CRASH_AT"
+
+
+def _install_crash_hook(spec: str | None) -> None:
+    """Crash tests only: ``MEGATRON_SAT_CRASH_AT=<phase>:<step>`` SIGKILLs this process at
+    that phase of the run checkpoint commit of that step (phases ``written``, ``renamed``,
+    ``committed``; see ``checkpoint.run_state``). Unset: nothing is installed.
+
+    Raises:
+        SystemExit: (2) for a malformed value, naming the variable.
+    """
+    if not spec:
+        return
+    import signal
+
+    from megatron_sat.checkpoint.run_state import COMMIT_PHASES, set_commit_hook
+
+    phase, _, step = spec.partition(":")
+    if phase not in COMMIT_PHASES or not step.isdigit():
+        print(
+            f"megatron-sat train: {CRASH_AT_ENV}={spec!r}: want <phase>:<step>, phase one "
+            f"of {COMMIT_PHASES}",
+            file=sys.stderr,
+        )
+        raise SystemExit(2)
+
+    def hook(at: str, at_step: int) -> None:
+        if at == phase and at_step == int(step):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    set_commit_hook(hook)
 
 
 def _warm_start(args: argparse.Namespace) -> int:
@@ -115,6 +158,42 @@ def _plot(args: argparse.Namespace) -> int:
         return 2
     print(f"wrote {args.out}: {', '.join(panels)}")
     return 0
+
+
+def _sweep(args: argparse.Namespace) -> int:
+    from megatron_sat.training.sweep import load_grid, render_slurm_array, run_sweep, sweep_report
+
+    try:
+        grid = load_grid(args.grid, output_dir=args.output_dir)
+    except (OSError, ValueError) as e:
+        print(f"megatron-sat sweep: {e}", file=sys.stderr)
+        return 2
+    if args.action == "report":
+        out = args.out or str(grid.output_dir / "report")
+        # the sweep's own command is what the table quotes; by default this report's
+        command = args.command_line or shlex.join(["megatron-sat", *args.argv])
+        try:
+            table = sweep_report(grid, out, command=command)
+        except (OSError, ValueError) as e:
+            print(f"megatron-sat sweep report: {e}", file=sys.stderr)
+            return 2
+        print(table)
+        return 0
+    if args.slurm:
+        print(render_slurm_array(grid, args.slurm, args.sbatch_option))
+        return 0
+    if args.dry_run:
+        for cell in grid.cells:
+            state = "finished" if cell.finished else "todo"
+            print(f"{cell.index}\t{state}\t{cell.row.id}\tlag {cell.lag}\tseed {cell.seed}")
+        return 0
+    try:
+        result = run_sweep(grid, cells=args.cell or None)
+    except ValueError as e:
+        print(f"megatron-sat sweep: {e}", file=sys.stderr)
+        return 2
+    print(", ".join(f"{k} {len(v)}" for k, v in result.items()))
+    return 1 if result["failed"] else 0
 
 
 def _eval(args: argparse.Namespace) -> int:
@@ -199,7 +278,19 @@ def main(argv: list[str] | None = None) -> int:
     pl.add_argument("run_dirs", nargs="+", help="run directories to compare")
     pl.add_argument("--out", default="runs/plot.png", help="PNG to write")
     pl.set_defaults(func=_plot)
+    sw = sub.add_parser("sweep", help="run a grid of runs one at a time, or report it")
+    sw.add_argument("action", nargs="?", choices=["run", "report"], default="run")
+    sw.add_argument("--grid", required=True, help="grid YAML (see examples/sweeps)")
+    sw.add_argument("--output-dir", help="cells' parent directory (default: the grid's)")
+    sw.add_argument("--cell", type=int, nargs="*", default=[], help="only these cell indices")
+    sw.add_argument("--dry-run", action="store_true", help="list the cells and their state")
+    sw.add_argument("--slurm", help="write an sbatch job array (one task per cell) here")
+    sw.add_argument("--sbatch-option", action="append", default=[], help="extra #SBATCH option")
+    sw.add_argument("--out", help="report: directory of table.md and the PNGs")
+    sw.add_argument("--command-line", help="report: the command to quote at the table's top")
+    sw.set_defaults(func=_sweep)
     args = parser.parse_args(argv)
+    args.argv = argv
     return args.func(args)
 
 
