@@ -82,7 +82,10 @@ def save_dist_checkpoint(state: Mapping[str, Any], ckpt_dir: str | Path) -> Path
     """
     from megatron.core import dist_checkpointing
 
+    from megatron_sat.platform.lifetime import fork_manager_for_dist_checkpointing
+
     apply_dist_checkpointing_fixes()
+    fork_manager_for_dist_checkpointing()  # its writer's helper process dies with us
     out = Path(ckpt_dir)
     if _is_rank0():
         out.mkdir(parents=True, exist_ok=True)

@@ -8,6 +8,7 @@ must call them (they run collectives), and only global rank 0 writes files.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
@@ -38,6 +39,20 @@ DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
 def read_hf_config(path: str | Path) -> dict[str, Any]:
     """The parsed ``config.json`` of an HF checkpoint directory."""
     return json.loads((Path(path) / "config.json").read_text())
+
+
+def current_umask() -> int:
+    """This process's umask, read from ``/proc/self/status`` (Linux >= 4.7) without changing
+    it; elsewhere via ``os.umask`` set-and-restore (racy only against a concurrent umask)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 class HFTensors(Mapping[str, torch.Tensor]):
@@ -183,6 +198,9 @@ class ShardWriter:
     def _flush(self) -> None:
         path = self.out / f".shard-{len(self._files):05d}.safetensors.tmp"
         save_file(self._shard, str(path), metadata={"format": "pt"})
+        # safetensors creates the file 0600 (a private temp file it persists); give it the
+        # mode open() would, so the user's umask decides who can read the checkpoint.
+        os.chmod(path, 0o666 & ~current_umask())
         for name in self._shard:
             self._file_of[name] = len(self._files)
         self._files.append(path)

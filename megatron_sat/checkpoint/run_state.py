@@ -10,9 +10,18 @@ A run checkpoint ``<run_dir>/checkpoints/step_<00000012>/`` holds
   state, anything else the caller passes; must be picklable);
 - ``meta.json``: step, weight version, world size and parallel layout (human-readable).
 
-``<run_dir>/checkpoints/latest`` names the newest complete checkpoint; it is replaced only
-after every file of a new checkpoint is written (written into ``step_*.tmp`` first, then
-renamed), so an interrupted save never becomes ``latest``.
+Commit protocol (crash-safe at any instant): a checkpoint is written into ``step_N.tmp``,
+every file and the folder are fsynced, the folder is renamed to ``step_N`` and the rename
+fsynced, and only then ``<run_dir>/checkpoints/latest`` is atomically replaced
+(``os.replace`` of a fsynced ``.latest.tmp``) to name it. ``latest`` is the sole commit
+point: a folder it does not name (a ``step_*.tmp``, or a ``step_N`` newer than it, left by a
+crash before the pointer moved) is uncommitted, ignored on resume and removed with a log line
+by the next save or resume; a run killed before its first commit resumes from scratch. So any
+folder state a crash leaves is either used (committed) or ignored, never fatal.
+
+A test hook (``set_commit_hook``) is called between the commit's steps with the phase name
+(``"written"``, ``"renamed"``, ``"committed"``) and the step; the launch layer installs one
+for crash tests, nothing else does.
 
 Resuming restores weights, optimizer, RNG and returns the :class:`RunState`; the caller puts
 the data position, rollout pool and weight version back. The RNG states are per rank: a
@@ -22,9 +31,11 @@ checkpoint resumed at another world size raises unless ``load_rng=False``.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import shutil
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,6 +53,76 @@ from megatron_sat.checkpoint.sharding import unwrap
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
+COMMIT_PHASES = ("written", "renamed", "committed")
+
+logger = logging.getLogger(__name__)
+
+_commit_hook: Callable[[str, int], None] | None = None
+
+
+def set_commit_hook(hook: Callable[[str, int], None] | None) -> None:
+    """Install ``hook(phase, step)``, called on rank 0 between the commit's steps (phases
+    ``COMMIT_PHASES``: files written and fsynced / folder renamed / ``latest`` replaced).
+    For crash tests only (the launch layer installs it); None removes it."""
+    global _commit_hook
+    _commit_hook = hook
+
+
+def _at(phase: str, step: int) -> None:
+    if _commit_hook is not None:
+        _commit_hook(phase, step)
+
+
+def _fsync_path(path: Path) -> None:
+    """fsync one file or directory (a directory's fsync makes renames in it durable)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: Path) -> None:
+    """fsync every file and directory under ``root`` (``root`` included)."""
+    for dirpath, _, filenames in os.walk(root):
+        for name in filenames:
+            _fsync_path(Path(dirpath) / name)
+        _fsync_path(Path(dirpath))
+
+
+def _step_of(folder: Path) -> int | None:
+    """N of ``step_N`` / ``step_N.tmp``, None for other names."""
+    name = folder.name.removesuffix(".tmp")
+    if not name.startswith("step_") or not name[5:].isdigit():
+        return None
+    return int(name[5:])
+
+
+def clean_uncommitted(run_dir: str | Path) -> list[Path]:
+    """Remove the checkpoint folders no commit names: every ``step_*.tmp`` and every
+    ``step_N`` newer than ``latest`` (all of them when there is no ``latest``), each with a
+    log line (rank 0 only; not collective). Returns the removed folders."""
+    root = Path(run_dir) / CHECKPOINTS
+    if not root.is_dir():
+        return []
+    latest = latest_run_checkpoint(run_dir)
+    committed = -1 if latest is None else _step_of(latest)
+    removed = []
+    for folder in sorted(root.glob("step_*")):
+        step = _step_of(folder)
+        if step is None:
+            continue
+        if folder.name.endswith(".tmp") or step > committed:
+            logger.warning(
+                "removing uncommitted run checkpoint %s (latest: %s)",
+                folder,
+                None if latest is None else latest.name,
+            )
+            print(f"megatron-sat: removing uncommitted run checkpoint {folder}", flush=True)
+            shutil.rmtree(folder)
+            removed.append(folder)
+    (root / f".{LATEST}.tmp").unlink(missing_ok=True)
+    return removed
 
 
 @dataclass
@@ -164,17 +245,18 @@ def save_run_checkpoint(
         The checkpoint directory ``<run_dir>/checkpoints/step_<step>``.
 
     Raises:
-        FileExistsError: when a checkpoint of this step exists already.
+        FileExistsError: when a committed checkpoint of this step exists already (an
+            uncommitted one, left by a crash, is removed and written again).
     """
     root = Path(run_dir) / CHECKPOINTS
     final = root / f"step_{step:08d}"
     tmp = root / f"step_{step:08d}.tmp"
     error = ""
     if _rank() == 0:
+        clean_uncommitted(run_dir)  # a step_N (or .tmp) of an interrupted save goes first
         if final.exists():
             error = f"{final} exists: a run checkpoint of step {step} was written already"
         else:
-            shutil.rmtree(tmp, ignore_errors=True)  # a save interrupted before
             (tmp / "rng").mkdir(parents=True)
     from megatron_sat.checkpoint.hf_io import broadcast_from_rank0
 
@@ -196,10 +278,19 @@ def save_run_checkpoint(
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     _barrier()
     if _rank() == 0:
+        _fsync_tree(tmp)
+        _at("written", step)
         tmp.rename(final)
+        _fsync_path(root)
+        _at("renamed", step)
         pointer = root / f".{LATEST}.tmp"
-        pointer.write_text(final.name + "\n")
-        os.replace(pointer, root / LATEST)
+        with open(pointer, "w") as f:
+            f.write(final.name + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(pointer, root / LATEST)  # the commit point
+        _fsync_path(root)
+        _at("committed", step)
         if keep_last is not None:
             done = sorted(p for p in root.glob("step_*") if not p.name.endswith(".tmp"))
             for old in done[: max(0, len(done) - keep_last)]:
@@ -209,11 +300,19 @@ def save_run_checkpoint(
 
 
 def latest_run_checkpoint(run_dir: str | Path) -> Path | None:
-    """The newest complete checkpoint of a run (``<run_dir>/checkpoints/latest``), or None."""
+    """The newest committed checkpoint of a run (``<run_dir>/checkpoints/latest``), or None.
+
+    Raises:
+        ValueError: when ``latest`` names a folder that is not a complete checkpoint (the
+            commit protocol never leaves that: the folder was altered by hand).
+    """
     pointer = Path(run_dir) / CHECKPOINTS / LATEST
     if not pointer.exists():
         return None
-    return pointer.parent / pointer.read_text().strip()
+    ckpt = pointer.parent / pointer.read_text().strip()
+    if not (ckpt / "meta.json").is_file():
+        raise ValueError(f"{pointer} names {ckpt.name}, which holds no complete checkpoint")
+    return ckpt
 
 
 def load_run_checkpoint(
@@ -241,6 +340,9 @@ def load_run_checkpoint(
     """
     ckpt = Path(path)
     if not (ckpt / "meta.json").exists():
+        if _rank() == 0:
+            clean_uncommitted(ckpt)
+        _barrier()
         latest = latest_run_checkpoint(ckpt)
         if latest is None:
             raise FileNotFoundError(f"{path} holds no run checkpoint (no meta.json, no latest)")

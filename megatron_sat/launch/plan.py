@@ -180,6 +180,29 @@ def read_model_config(cfg: Any) -> tuple[str, dict[str, Any]]:
         raise ValueError(f"launch.model_config: {path} is not valid JSON: {e}") from None
 
 
+def check_train_layout(cfg: Any, world: int, hf_config: dict[str, Any] | None = None) -> None:
+    """The launch plan's layout and model checks for a trainer of ``world`` ranks (what
+    ``megatron-sat train`` runs before building anything, at the world torchrun gave it).
+
+    Raises:
+        ValueError: listing every problem, one per line, each naming its config field.
+    """
+    if hf_config is None:
+        _, hf_config = read_model_config(cfg)
+    par = cfg.parallel
+    tp = par.tensor_model_parallel_size
+    sp = _parallel_option(par, "sequence_parallel")
+    if sp is None:
+        sp = tp > 1  # transformer_config_from_hf's rule
+    cp = _parallel_option(par, "context_parallel_size") or 1
+    pp = par.pipeline_model_parallel_size
+    ep, etp = par.expert_model_parallel_size, par.expert_tensor_parallel_size
+    errors = _layout_errors(hf_config, world, tp, pp, ep, etp, sp)
+    errors += _context_parallel_errors(cfg, world, tp, cp, pp, [])
+    if errors:
+        raise ValueError("invalid training layout:\n  " + "\n  ".join(errors))
+
+
 def resolve_plan(cfg: Any, hf_config: dict[str, Any] | None = None) -> LaunchPlan:
     """Validate ``cfg`` (a :class:`~megatron_sat.config.RunConfig`) for launching and resolve
     its plan.

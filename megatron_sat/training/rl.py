@@ -42,6 +42,8 @@ from transformers import AutoTokenizer
 
 from megatron_sat.checkpoint.hf_io import read_hf_config
 from megatron_sat.checkpoint.run_state import (
+    clean_uncommitted,
+    latest_run_checkpoint,
     load_run_checkpoint,
     save_run_checkpoint,
     should_save,
@@ -301,14 +303,68 @@ class _Followers:
                 raise RuntimeError(f"rank 0 ended the run ({command}); see its log")
 
 
-def run_rl(cfg: RunConfig) -> dict:
-    """Run the whole RL job of ``cfg``; returns (and writes) the run summary on rank 0, and an
-    empty dict on the other data-parallel ranks (see the module docstring)."""
+def check_prompt_lengths(
+    records: list[PromptRecord], tokenizer, context: int | None, max_new_tokens: int, path
+) -> None:
+    """Refuse a dataset with a row whose prompt tokens plus ``max_new_tokens`` exceed the
+    model's context (``max_position_embeddings``), at load time rather than when the row is
+    generated (the server refuses it then, possibly mid-run).
+
+    Raises:
+        ValueError: naming the file, the row (0-based, as ``PromptRecord.source_index``) and
+            ``rollout.max_new_tokens``.
+    """
+    if context is None:
+        return
+    for record in records:
+        n = len(tokenizer.encode(record.prompt))
+        if n + max_new_tokens > context:
+            raise ValueError(
+                f"{path} row {record.source_index}: {n} prompt tokens + rollout.max_new_tokens="
+                f"{max_new_tokens} exceed the model's context length {context} "
+                "(max_position_embeddings)"
+            )
+
+
+def validate_run(cfg: RunConfig, world: int | None = None) -> None:
+    """Everything ``train`` can refuse before building the trainer: the HF checkpoint, the
+    launch plan's layout and model checks at the trainer's world size (``WORLD_SIZE``,
+    default 1), and every train and eval row against the context length.
+
+    Raises:
+        FileNotFoundError: ``init_checkpoint`` is not an HF checkpoint directory, or a
+            dataset is missing.
+        ValueError: naming the config field (layout) or the dataset row (length).
+    """
+    from megatron_sat.launch.plan import check_train_layout
+
     if not (Path(cfg.init_checkpoint) / "config.json").is_file():
         raise FileNotFoundError(
             f"init_checkpoint={cfg.init_checkpoint!r} is not an HF checkpoint directory "
             "(no config.json); run the warm start or point it at one"
         )
+    if world is None:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+    hf_config = read_hf_config(cfg.init_checkpoint)
+    check_train_layout(cfg, world, hf_config)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.init_checkpoint)
+    context = hf_config.get("max_position_embeddings")
+    for path in (cfg.data.train_path, cfg.data.eval_path):
+        records = load_prompt_dataset(path, tokenizer=tokenizer)
+        check_prompt_lengths(records, tokenizer, context, cfg.rollout.max_new_tokens, path)
+
+
+def run_rl(cfg: RunConfig) -> dict:
+    """Run the whole RL job of ``cfg``; returns (and writes) the run summary on rank 0, and an
+    empty dict on the other data-parallel ranks (see the module docstring).
+
+    With ``train.resume`` the run continues from its latest committed run checkpoint; when a
+    crash came before the first commit there is none and the run starts from step 1 (the
+    killed run's metrics and uncommitted folders are dropped)."""
+    from megatron_sat.platform.lifetime import install_fork_pdeathsig
+
+    install_fork_pdeathsig()  # forked helpers (checkpoint writers) die with this process
+    validate_run(cfg, dist.get_world_size() if dist.is_initialized() else None)
     tokenizer = AutoTokenizer.from_pretrained(cfg.init_checkpoint)
     hf_config = read_hf_config(cfg.init_checkpoint)
     trainer = PolicyTrainer(
@@ -320,8 +376,19 @@ def run_rl(cfg: RunConfig) -> dict:
         reference=cfg.objective.kl_coef > 0,  # the k3 KL's pi_ref: the initial checkpoint
     )
     state = None
+    fresh_after_crash = False
     if cfg.train.resume:
-        state = load_run_checkpoint(cfg.run_dir, model=trainer.model, optimizer=trainer.optimizer)
+        if dist.get_rank() == 0:
+            clean_uncommitted(cfg.run_dir)
+        if dist.is_initialized():
+            dist.barrier()
+        if latest_run_checkpoint(cfg.run_dir) is not None:
+            state = load_run_checkpoint(
+                cfg.run_dir, model=trainer.model, optimizer=trainer.optimizer
+            )
+        else:
+            fresh_after_crash = True
+            print(f"megatron-sat: no committed run checkpoint in {cfg.run_dir}: from step 1")
     first_step = 1 if state is None else state.step + 1
     if first_step > cfg.train.num_steps:
         raise ValueError(
@@ -335,7 +402,7 @@ def run_rl(cfg: RunConfig) -> dict:
         return {}
     followers = _Followers(trainer)
     try:
-        summary = _lead(cfg, trainer, tokenizer, state, first_step, followers)
+        summary = _lead(cfg, trainer, tokenizer, state, first_step, followers, fresh_after_crash)
     except BaseException:
         if followers.can_abort():
             followers.tell("abort")
@@ -350,6 +417,7 @@ def _lead(
     state,
     first_step: int,
     followers: _Followers,
+    fresh_after_crash: bool = False,
 ) -> dict:
     """Rank 0's part of ``run_rl`` (everything but the set-up shared by all ranks)."""
     run_dir = Path(cfg.run_dir)
@@ -369,6 +437,8 @@ def _lead(
         next(prompts)
     t_start = time.time()
     resume_step = None if state is None else state.step
+    if fresh_after_crash:
+        resume_step = -1  # drop every line the killed run logged
     with rollout_fleet(cfg) as fleet, RunLogger(run_dir, resume_step) as logger:
         # One meter for both pools: a server is busy while either has a request on it.
         meter = ServerMeter(len(fleet.clients))
