@@ -62,6 +62,7 @@ def test_bf16_engine_mismatch_at_lag_1_and_r3_removes_the_routing_part(
         )
         assert live > 1e-3  # an fp32 engine gives ~1e-7 (README)
         assert row["train/topk_match_r3"] == 1.0
+        assert 0 < row["train/ess"] <= 1  # the importance weights' effective sample size
         assert r3 <= live * (1 + 1e-6)  # a step without a flip: the same forward
     # over the run some routes flip (32 prompts' tokens) and replaying them lowers the mismatch
     assert min(r["train/topk_match_live"] for r in rows) < 1.0
