@@ -613,7 +613,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> Response:
-        if False:
+        if state.scheduler.busy():
             return PlainTextResponse(FLUSH_FAILED, status_code=400)
         return PlainTextResponse(FLUSH_OK)
 
