@@ -306,9 +306,11 @@ def state(tiny_checkpoint):
 def app(state):
     state.config = ServerConfig(model_path=state.config.model_path, health_check_timeout_s=0.3)
     with TestClient(create_app(state), raise_server_exceptions=False) as client:
-        yield client
-    state.scheduler.resume()
-    state.session = None
+        try:
+            yield client
+        finally:  # before the client closes: it waits for a request suspended in place
+            state.scheduler.resume()
+            state.session = None
 
 
 def test_embedded_responses_have_sglang_fields(app):
@@ -552,11 +554,13 @@ def test_flush_cache_refused_while_requests_run_in_place(app, state):
     while not state.scheduler._running and time.monotonic() < deadline:
         time.sleep(0.001)
     app.post("/pause_generation", json={"mode": "in_place"})
-    assert state.scheduler.busy(), "the request finished before the pause; make it longer"
-    refused = app.post("/flush_cache")
-    assert (refused.status_code, refused.text) == (400, FLUSH_FAILED)
-    app.post("/continue_generation", json={})
-    thread.join(60)
+    try:
+        assert state.scheduler.busy(), "the request finished before the pause; make it longer"
+        refused = app.post("/flush_cache")
+        assert (refused.status_code, refused.text) == (400, FLUSH_FAILED)
+    finally:
+        app.post("/continue_generation", json={})
+        thread.join(60)
     reply = result["reply"].json()
     assert reply["meta_info"]["finish_reason"]["type"] in ("length", "stop")  # not aborted
     done = app.post("/flush_cache")
