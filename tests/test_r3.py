@@ -24,8 +24,8 @@ from megatron_sat.routing.replay import (
     find_routers,
     replay_routing,
 )
-from megatron_sat.routing.slicing import router_targets
-from megatron_sat.training.batching import build_micro_batch, filler_routes
+from megatron_sat.routing.slicing import moe_layer_numbers, router_targets
+from megatron_sat.training.batching import build_micro_batch, check_sample_routes, filler_routes
 from megatron_sat.training.distributed import ParallelConfig
 from megatron_sat.training.logprobs import forward_backward, forward_log_probs, routing_agreement
 from megatron_sat.training.trainer import PolicyTrainer
@@ -263,6 +263,36 @@ def test_dense_layouts_map_every_moe_layer_to_its_own_rows(megatron_world, patte
     with pytest.raises(ValueError, match=r"it has 3 layers, the model has 4"):
         samples[0].routed_experts = samples[0].routed_experts[:, :3]
         build_micro_batch(samples, [1.0, 1.0], pad_token_id=0, routing_shape=routing_shape(hf))
+
+
+def test_dense_layers_rows_of_expert_zero_are_not_checked(megatron_world):
+    # SGLang 0.5.23 leaves a dense layer's routed_experts rows at its zero-initialised buffer
+    # (expert 0, top_k times): only the MoE layers' rows must be distinct, in-range ids.
+    hf = dict(HF4, mlp_only_layers=[0, 2])
+    config = transformer_config_from_hf(hf)
+    assert moe_layer_numbers(config) == [2, 4]
+    assert moe_layer_numbers(transformer_config_from_hf(HF4)) == [1, 2, 3, 4]
+    samples = make_samples([(4, 3), (2, 2)], hf)
+    for s in samples:
+        s.routed_experts[:, [0, 2]] = 0
+    mb = build_micro_batch(
+        samples, [1.0, 1.0], pad_token_id=0, routing_shape=(4, 2, 8), moe_layers=[2, 4]
+    )
+    assert torch.equal(mb.routes[0, :6, 0], torch.zeros(6, 2, dtype=torch.uint8))
+    targets = mb.routing_targets([2, 4])
+    assert torch.equal(targets[4][0], torch.from_numpy(samples[0].routed_experts[0, 3]).long())
+    # Without the MoE layers named, the dense layer's zeros are refused (layer 0 of the payload).
+    with pytest.raises(ValueError, match=r"sample 0: routed_experts row 0, layer 0 names one"):
+        build_micro_batch(samples, [1.0, 1.0], pad_token_id=0, routing_shape=(4, 2, 8))
+    # A repeat on an MoE layer is still named, by its payload layer index.
+    samples[1].routed_experts[1, 3] = [5, 5]
+    with pytest.raises(ValueError, match=r"sample 1: routed_experts row 1, layer 3 names one"):
+        check_sample_routes(samples[1], 4, 2, 8, moe_layers=[2, 4])
+    samples[1].routed_experts[1, 3] = [5, 9]
+    with pytest.raises(ValueError, match=r"sample 1: routed_experts ids outside \[0, 8\)"):
+        check_sample_routes(samples[1], 4, 2, 8, moe_layers=[2, 4])
+    with pytest.raises(ValueError, match=r"moe_layers \[5\] outside \[1, num_layers=4\]"):
+        check_sample_routes(samples[0], 4, 2, 8, moe_layers=[2, 5])
 
 
 def test_qwen3_moe_layer_pattern_errors():

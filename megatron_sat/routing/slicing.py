@@ -17,7 +17,10 @@ index map as the tokens), with L = every decoder layer of the HF model, dense on
 - under pipeline parallelism, only the layers of its stage (the caller passes those layers).
 
 Expert parallelism needs nothing here: routing happens before dispatch, on the tokens this rank
-holds. Context parallelism is not supported (its load-balanced sequence split is not this one).
+holds. Context parallelism cuts the sequence first, by megatron-core's load-balanced split
+(chunks r and 2 x CP - 1 - r of 2 x CP: :mod:`megatron_sat.training.context_parallel`, which
+cuts routes, tokens and loss masks by one index); the functions here then apply to a CP rank's
+[B, S / CP] routes as they are (sequence parallelism shards within them).
 """
 
 from __future__ import annotations
@@ -113,3 +116,27 @@ def router_targets(
             sequence_parallel=sequence_parallel,
         ).long()
     return targets
+
+
+def moe_layer_numbers(config) -> list[int]:
+    """Global 1-based numbers of the decoder layers that have a router (MoE layers), from a
+    megatron-core ``TransformerConfig``: its ``moe_layer_freq`` read as megatron-core's
+    ``get_gpt_decoder_block_spec`` does (an int f: layer i (0-based) is MoE iff i % f == 0; a
+    list: 1 = MoE, one entry per layer). MTP layers are not decoder layers.
+
+    Raises:
+        ValueError: for a model without experts, or a ``moe_layer_freq`` list whose length is
+            not ``num_layers``.
+    """
+    if not config.num_moe_experts:
+        raise ValueError("the model has no MoE layer (num_moe_experts is not set)")
+    freq = config.moe_layer_freq
+    if isinstance(freq, int):
+        pattern = [int(i % freq == 0) for i in range(config.num_layers)]
+    else:
+        pattern = list(freq)
+        if len(pattern) != config.num_layers:
+            raise ValueError(
+                f"moe_layer_freq has {len(pattern)} entries but num_layers={config.num_layers}"
+            )
+    return [i + 1 for i, is_moe in enumerate(pattern) if is_moe]

@@ -13,7 +13,8 @@ map, so routes cannot drift from tokens. The padded layout here and the packed l
 :mod:`megatron_sat.training.packing` are two such maps.
 
 Routes: SGLang returns ``routed_experts`` [P + R - 1, num_layers, top_k] (no row for the last
-token), all decoder layers included (dense ones too). A filler row stands in for the last token
+token), all decoder layers included (dense ones too, filled with expert 0 by SGLang: only the MoE
+layers' rows are checked, :func:`check_sample_routes`). A filler row stands in for the last token
 and for every padding position. Filler rows hold valid ids that differ within the row and cycle
 over all experts (and so over all EP ranks, whose experts are contiguous ranges), so padding
 never piles onto one expert. Routes stay in the compact dtype of the payload (uint8 up to 256
@@ -130,12 +131,37 @@ def filler_routes(num_rows: int, top_k: int, num_experts: int, start: int = 0) -
     return rows % num_experts
 
 
-def check_sample_routes(sample: Sample, num_layers: int, top_k: int, num_experts: int) -> None:
+def check_sample_routes(
+    sample: Sample,
+    num_layers: int,
+    top_k: int,
+    num_experts: int,
+    moe_layers: Sequence[int] | None = None,
+) -> None:
     """Raise ``ValueError`` naming the sample unless its ``routed_experts`` is
-    [P + R - 1, num_layers, top_k] with ids in [0, num_experts).
+    [P + R - 1, num_layers, top_k] with, on every MoE layer, ids in [0, num_experts) that
+    differ within a token's row.
 
-    ``num_layers`` counts every decoder layer (SGLang's payload has rows for dense layers too).
+    ``num_layers`` counts every decoder layer: SGLang's payload has rows for dense layers too,
+    and fills them with expert 0 (its capture buffer is zero-initialised and only layers with a
+    router write into it: ``srt/state_capturer/base.py``, 0.5.23). Dense layers' rows are never
+    replayed, so their values are not checked.
+
+    Args:
+        sample: the sample to check.
+        num_layers, top_k, num_experts: the payload's shape and the experts per MoE layer.
+        moe_layers: global 1-based numbers of the layers with a router (megatron-core's
+            ``layer_number``; :func:`megatron_sat.routing.slicing.moe_layer_numbers`); None
+            means every layer has one (an all-MoE model).
+
+    Raises:
+        ValueError: naming the sample (and the token row and layer of a repeated expert), or
+            for a ``moe_layers`` entry outside [1, num_layers].
     """
+    layers = list(range(1, num_layers + 1)) if moe_layers is None else sorted(moe_layers)
+    outside = [n for n in layers if not 1 <= n <= num_layers]
+    if outside:
+        raise ValueError(f"moe_layers {outside} outside [1, num_layers={num_layers}]")
     routed = sample.routed_experts
     expected = (sample.num_tokens - 1, num_layers, top_k)
     if routed is None:
@@ -156,12 +182,17 @@ def check_sample_routes(sample: Sample, num_layers: int, top_k: int, num_experts
                 else ""
             )
         )
-    if routed.size and (routed.min() < 0 or routed.max() >= num_experts):
+    if not routed.size or not layers:
+        return
+    moe = routed[:, [n - 1 for n in layers]]  # [tokens, MoE layers, top_k]
+    if moe.min() < 0 or moe.max() >= num_experts:
         raise ValueError(f"sample {sample.index}: routed_experts ids outside [0, {num_experts})")
-    if top_k > 1 and routed.size:
-        ordered = np.sort(routed, axis=-1)
-        if (ordered[..., 1:] == ordered[..., :-1]).any():
-            token, layer = np.argwhere((ordered[..., 1:] == ordered[..., :-1]).any(-1))[0]
+    if top_k > 1:
+        ordered = np.sort(moe, axis=-1)
+        repeated = (ordered[..., 1:] == ordered[..., :-1]).any(-1)
+        if repeated.any():
+            token, column = np.argwhere(repeated)[0]
+            layer = layers[column] - 1  # 0-based index into the payload, as the shape above
             raise ValueError(
                 f"sample {sample.index}: routed_experts row {token}, layer {layer} names one "
                 f"expert twice: {routed[token, layer].tolist()}"
@@ -193,6 +224,7 @@ def place_tokens(
     *,
     pad_token_id: int,
     routing_shape: tuple[int, int, int] | None,
+    moe_layers: Sequence[int] | None = None,
 ) -> PlacedTokens:
     """Build model-layout tokens, labels and routes from one index map.
 
@@ -203,6 +235,7 @@ def place_tokens(
         sample_pos: int64 [R, T], position inside that sample (ignored at padding).
         pad_token_id: token written at padding.
         routing_shape: (num_layers, top_k, num_experts) to place routes, or None.
+        moe_layers: the layers with a router, as :func:`check_sample_routes` (None: all).
 
     Raises:
         ValueError: on bad routes (naming the sample, see :func:`check_sample_routes`) or a map
@@ -228,7 +261,7 @@ def place_tokens(
     if routing_shape is not None:
         num_layers, top_k, num_experts = routing_shape
         for s in samples:
-            check_sample_routes(s, num_layers, top_k, num_experts)
+            check_sample_routes(s, num_layers, top_k, num_experts, moe_layers)
         dtype = torch.from_numpy(np.zeros(0, dtype=compact_expert_dtype(num_experts))).dtype
         # One gather from [rollout rows of every sample; one cycle of filler rows]: filler row
         # i repeats with period num_experts / gcd(top_k, num_experts).
@@ -273,6 +306,7 @@ def build_micro_batch(
     pad_token_id: int,
     routing_shape: tuple[int, int, int] | None = None,
     pad_to_multiple_of: int = 1,
+    moe_layers: Sequence[int] | None = None,
 ) -> MicroBatch:
     """Pad ``samples`` into one :class:`MicroBatch`.
 
@@ -283,6 +317,8 @@ def build_micro_batch(
         routing_shape: (num_layers, top_k, num_experts) to align routes for R3, or None;
             num_layers counts every decoder layer (dense included).
         pad_to_multiple_of: Round S up (e.g. to the TP size for sequence parallelism).
+        moe_layers: global 1-based numbers of the layers with a router, whose rows are checked
+            (:func:`check_sample_routes`); None: every layer.
 
     Raises:
         ValueError: for an empty batch, a sample without prompt tokens, mismatched lengths of
@@ -319,6 +355,7 @@ def build_micro_batch(
         position_ids,
         pad_token_id=pad_token_id,
         routing_shape=routing_shape,
+        moe_layers=moe_layers,
     )
     return MicroBatch(
         input_ids=placed.input_ids,

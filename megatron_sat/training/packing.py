@@ -146,6 +146,7 @@ def pack_micro_batches(
     rows_per_micro_batch: int = 1,
     routing_shape: tuple[int, int, int] | None = None,
     pad_to_multiple_of: int = 1,
+    moe_layers: Sequence[int] | None = None,
 ) -> list[PackedMicroBatch]:
     """Pack ``samples`` into rows (first fit, in order), and rows into micro-batches.
 
@@ -160,6 +161,8 @@ def pack_micro_batches(
         rows_per_micro_batch: R.
         routing_shape: (num_layers, top_k, num_experts) to place routes, or None.
         pad_to_multiple_of: round T up to a multiple of this.
+        moe_layers: the layers with a router, whose routes are checked
+            (:func:`megatron_sat.training.batching.check_sample_routes`; None: every layer).
 
     Raises:
         ValueError: for no samples, a sample longer than a row, or anything
@@ -193,7 +196,12 @@ def pack_micro_batches(
         chosen = [samples[i] for i in order]
         view = build_micro_batch(chosen, advantages[order], pad_token_id=pad_token_id)
         placed = place_tokens(
-            chosen, sample_row, sample_pos, pad_token_id=pad_token_id, routing_shape=routing_shape
+            chosen,
+            sample_row,
+            sample_pos,
+            pad_token_id=pad_token_id,
+            routing_shape=routing_shape,
+            moe_layers=moe_layers,
         )
         out.append(
             PackedMicroBatch(

@@ -30,7 +30,7 @@ from megatron_sat.objectives import (
 from megatron_sat.platform import PARAMS_DTYPES, get_device, to_device
 from megatron_sat.rollout.types import Sample, staleness
 from megatron_sat.routing.replay import RoutingReplay, capture_routing
-from megatron_sat.routing.slicing import router_token_order
+from megatron_sat.routing.slicing import moe_layer_numbers, router_token_order
 from megatron_sat.training.batching import MicroBatch, build_micro_batch
 from megatron_sat.training.distributed import ParallelConfig, init_distributed
 from megatron_sat.training.logprobs import forward_log_probs, forward_log_probs_and_entropy
@@ -226,6 +226,9 @@ class PolicyTrainer:
             self.config.moe_router_topk,
             self.config.num_moe_experts,
         )
+        # The layers with a router: only their routes are checked (dense layers' rows hold
+        # SGLang's expert 0 and are never replayed).
+        self.moe_layers = moe_layer_numbers(self.config)
         # R3 replay and the routing audit on this rank's tokens (the TP rank's sequence shard
         # under sequence parallelism, MoE layers only).
         self.routing = RoutingReplay(self.model)
@@ -270,6 +273,7 @@ class PolicyTrainer:
                     pad_token_id=self.pad_token_id,
                     routing_shape=self.routing_shape if with_routes else None,
                     pad_to_multiple_of=self.pad_to_multiple_of,
+                    moe_layers=self.moe_layers,
                 ),
                 self.device,
             )

@@ -91,7 +91,12 @@ class GenerationEngine:
         config = self.model.config
         self.num_layers: int = config.num_hidden_layers
         self.top_k: int = config.num_experts_per_tok
-        self.num_experts: int = config.num_experts
+        # Qwen-MoE's num_experts, DeepSeek-V3's n_routed_experts, Mixtral's num_local_experts.
+        self.num_experts: int = next(
+            getattr(config, name)
+            for name in ("num_experts", "n_routed_experts", "num_local_experts")
+            if getattr(config, name, None)
+        )
         self.eos_token_ids = _eos_token_ids(config, self.model.generation_config)
         self.generator = torch.Generator().manual_seed(seed)
         self.weight_targets = _weight_targets(self.model, Path(model_path))
