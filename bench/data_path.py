@@ -13,8 +13,9 @@ Micro-batches per data-parallel rank (``--dp`` = 2 shares of whole groups, ``rl.
 
 - token budget: ``training.micro_batches.token_budget_micro_batches`` with the paper's 32k
   tokens per GPU (scaled: 2,048);
-- fixed count (today's ``train.micro_batch_size``): consecutive slices, the size chosen so that
-  there are as many micro-batches as with the budget (same mean work per micro-batch).
+- fixed count (today's ``train.micro_batch_size``): consecutive slices (rollout order), the
+  smallest size that gives no more micro-batches than the budget does on that rank (the same
+  or more mean work per micro-batch).
 
 ``padding_waste`` = padded tokens / real tokens (issue 12 goal: <= 0.05), and
 ``fixed_count_padding_waste``; ``fixed_count_max_tokens`` is the largest padded micro-batch of

@@ -97,6 +97,52 @@ def test_config_field():
         load_config(None, ["train.max_tokens_per_micro_batch=0"])
 
 
+# ---------------------------------------------------------------- packing rule
+
+
+def test_dense_packing_rule_by_hand():
+    from megatron_sat.training.packing import dense_packing_rows
+
+    # W = 9: decreasing 9 (pos 1), 5 (0), 4 (2), 3 (3): rows [9], [5, 4], [3] -> 3 rows < 4
+    assert dense_packing_rows([5, 9, 4, 3], have_te=False) == [[1], [0, 2], [3]]
+    # near-equal lengths save no row: padded
+    assert dense_packing_rows([9, 8, 9], have_te=False) is None
+    # W rounded up to the multiple: 10 -> 12 holds 6 + 6
+    assert dense_packing_rows([10, 6, 6], 4, have_te=False) == [[0], [1, 2]]
+    assert dense_packing_rows([10, 6, 6], 1, have_te=False) is None
+    assert dense_packing_rows([5, 9, 4, 3], have_te=True) is None  # THD is TE's packing
+    assert dense_packing_rows([3], have_te=False) is None
+
+
+def test_pack_rows_keeps_the_sample_order_and_places_routes_like_tokens():
+    from megatron_sat.training.packing import pack_rows
+
+    samples = _samples_with_routes(4)
+    lengths = [s.num_tokens for s in samples]
+    rows = [[2, 0], [1, 3]]
+    packed = pack_rows(samples, torch.arange(4.0), rows, pad_token_id=0, routing_shape=(3, 2, 8))
+    assert packed.sample_indices == [0, 1, 2, 3] and torch.equal(
+        packed.advantages, torch.arange(4.0)
+    )
+    assert packed.input_ids.shape == (2, max(lengths[2] + lengths[0], lengths[1] + lengths[3]))
+    padded = build_micro_batch(samples, torch.arange(4.0), pad_token_id=0, routing_shape=(3, 2, 8))
+    assert torch.equal(packed.loss_mask, padded.loss_mask)
+    # row 0 starts with sample 2, then sample 0: tokens and routes from the same index map
+    n2 = lengths[2]
+    assert torch.equal(packed.input_ids[0, :n2], padded.input_ids[2, :n2])
+    assert torch.equal(packed.routes[0, : n2 - 1], padded.routes[2, : n2 - 1])
+    assert torch.equal(
+        packed.routes[0, n2 : n2 + lengths[0] - 1], padded.routes[0, : lengths[0] - 1]
+    )
+    # the model-layout log-probs of sample 0 come back to its own row of the sample layout
+    x = torch.zeros(packed.input_ids.shape)
+    x[0, n2 : n2 + lengths[0]] = 1.0
+    back = packed.to_sample_layout(x)
+    assert back[0, : lengths[0]].eq(1).all() and back.sum() == lengths[0]
+    with pytest.raises(ValueError, match="every sample exactly once"):
+        pack_rows(samples, torch.zeros(4), [[0, 1], [2]], pad_token_id=0)
+
+
 # ---------------------------------------------------------------- context parallelism
 
 

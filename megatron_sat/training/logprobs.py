@@ -82,17 +82,19 @@ def vocab_parallel_entropy(logits: torch.Tensor) -> torch.Tensor:
 
 
 def forward_log_probs_and_entropy(
-    model: torch.nn.Module, batch: MicroBatch
+    model: torch.nn.Module, batch: Batch
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """log pi(labels | prefix) and the policy's entropy at every position, sample layout,
     float32 [N, S] each, from one forward that keeps the (vocab-sharded) logits.
 
     The log-probs are megatron-core's vocab-parallel cross entropy of the same logits, exactly
     what :func:`forward_log_probs` computes (its ``labels=`` forward runs the same function).
-    Single pipeline stage, unpacked batches.
+    Single pipeline stage.
     """
     from megatron.core import tensor_parallel
 
+    if isinstance(batch, PackedMicroBatch):
+        use_position_ids_for_rope(model)
     logits = model(batch.input_ids, batch.position_ids, batch.attention_mask)  # [N, S, V/TP]
     # Entropy first: megatron-core's cross entropy overwrites its input in place, and with one
     # row the transposed logits are the logits themselves (no copy). The entropy's backward
@@ -101,7 +103,7 @@ def forward_log_probs_and_entropy(
     log_probs = -tensor_parallel.vocab_parallel_cross_entropy(
         logits.transpose(0, 1).contiguous(), batch.labels.transpose(0, 1).contiguous()
     ).transpose(0, 1)
-    return log_probs.float(), entropy
+    return batch.to_sample_layout(log_probs.float()), batch.to_sample_layout(entropy)
 
 
 def routing_agreement(

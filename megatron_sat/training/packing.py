@@ -16,6 +16,15 @@ local spec runs, in the ``[rows, seq]`` (SBHD) layout:
   makes RoPE follow them, taking per-position values from the model's own RoPE table, so a
   packed sample's logits are computed from exactly the rotations of the unpacked one.
 
+When to pack (without transformer-engine; :func:`dense_packing_rows`, which the trainer applies
+to every micro-batch by itself): the rows of a packed micro-batch are as wide as the padded one
+(W = its longest sample, rounded up to the layout's multiple), filled first fit in decreasing
+length; it is packed exactly when that needs fewer rows than it has samples. Then it costs
+fewer tokens (R x W < B x W) and less attention (R x W^2 < B x W^2; the local attention
+computes every row's full W x W scores), and the mask's R x W^2 bytes are under 1 / (4 x heads)
+of the fp32 scores [R, heads, W, W] that attention materialises anyway. With transformer-engine
+packing is THD through ``PackedSeqParams`` (not built here), so nothing is packed this way.
+
 Tokens, labels and routes go through one index map (``sample_row``, ``sample_pos``,
 :func:`megatron_sat.training.batching.place_tokens`). Losses read a per-sample padded view
 (``PackedMicroBatch.samples``, a :class:`MicroBatch`) filled by
@@ -60,6 +69,89 @@ def first_fit_rows(lengths: Sequence[int], capacity: int) -> list[list[int]]:
     return rows
 
 
+def dense_packing_rows(
+    lengths: Sequence[int], pad_to_multiple_of: int = 1, *, have_te: bool
+) -> list[list[int]] | None:
+    """Whether to pack one micro-batch with the dense block mask (the rule in the module
+    docstring), and how.
+
+    Args:
+        lengths: tokens of each sample of the micro-batch.
+        pad_to_multiple_of: the layout's sequence multiple (W is rounded up to it).
+        have_te: transformer-engine is in use (``platform.have_transformer_engine()``): never
+            pack densely then.
+
+    Returns:
+        None to pad; else the rows, each the positions of its samples (first fit in
+        decreasing length into rows of W tokens), fewer rows than samples.
+    """
+    if have_te or len(lengths) < 2:
+        return None
+    width = -(-max(lengths) // pad_to_multiple_of) * pad_to_multiple_of
+    decreasing = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    rows = first_fit_rows([lengths[i] for i in decreasing], width)
+    if len(rows) >= len(lengths):
+        return None
+    return [[decreasing[j] for j in row] for row in rows]
+
+
+def pack_rows(
+    samples: Sequence[Sample],
+    advantages: torch.Tensor,
+    rows: Sequence[Sequence[int]],
+    *,
+    pad_token_id: int,
+    routing_shape: tuple[int, int, int] | None = None,
+    pad_to_multiple_of: int = 1,
+    moe_layers: Sequence[int] | None = None,
+) -> PackedMicroBatch:
+    """One packed micro-batch of ``samples`` laid out in the given ``rows`` (positions into
+    ``samples``, e.g. :func:`dense_packing_rows`); its per-sample view keeps the order of
+    ``samples`` (row n of the losses' layout is ``samples[n]``), T = the fullest row rounded up
+    to ``pad_to_multiple_of``. ``moe_layers``: the layers with a router, whose routes are
+    checked (:func:`megatron_sat.training.batching.check_sample_routes`; None: every layer).
+
+    Raises:
+        ValueError: rows that do not hold every sample exactly once, or anything
+            :func:`build_micro_batch` refuses (naming the sample).
+    """
+    if sorted(i for row in rows for i in row) != list(range(len(samples))):
+        raise ValueError("the rows do not hold every sample exactly once")
+    fullest = max(sum(samples[i].num_tokens for i in row) for row in rows)
+    seq = -(-fullest // pad_to_multiple_of) * pad_to_multiple_of
+    sample_row = torch.full((len(rows), seq), -1, dtype=torch.long)
+    sample_pos = torch.zeros((len(rows), seq), dtype=torch.long)
+    for r, row in enumerate(rows):
+        offset = 0
+        for i in row:
+            n = samples[i].num_tokens
+            sample_row[r, offset : offset + n] = i
+            sample_pos[r, offset : offset + n] = torch.arange(n)
+            offset += n
+    view = build_micro_batch(samples, advantages, pad_token_id=pad_token_id)
+    placed = place_tokens(
+        samples,
+        sample_row,
+        sample_pos,
+        pad_token_id=pad_token_id,
+        routing_shape=routing_shape,
+        moe_layers=moe_layers,
+    )
+    return PackedMicroBatch(
+        samples=view,
+        input_ids=placed.input_ids,
+        position_ids=sample_pos.clone(),
+        labels=placed.labels,
+        attention_mask=block_causal_mask(sample_row),
+        routes=placed.routes,
+        routes_valid=placed.routes_valid
+        if placed.routes is not None
+        else torch.zeros_like(sample_row, dtype=torch.bool),
+        sample_row=sample_row,
+        sample_pos=sample_pos,
+    )
+
+
 def block_causal_mask(segment: torch.Tensor) -> torch.Tensor:
     """bool [R, 1, T, T], True where query t may NOT attend to key u: different segment or
     u > t. ``segment`` is int64 [R, T], one id per sample of a row (padding its own id)."""
@@ -100,6 +192,27 @@ class PackedMicroBatch:
         seq = self.samples.input_ids.shape[1]
         self._src = real.reshape(-1).nonzero().squeeze(1)
         self._dst = (self.sample_row * seq + self.sample_pos).reshape(-1)[self._src]
+
+    # The per-sample tensors the losses read, as on a padded MicroBatch (sample layout [N, S]).
+    @property
+    def loss_mask(self) -> torch.Tensor:
+        return self.samples.loss_mask
+
+    @property
+    def rollout_log_probs(self) -> torch.Tensor:
+        return self.samples.rollout_log_probs
+
+    @property
+    def response_versions(self) -> torch.Tensor:
+        return self.samples.response_versions
+
+    @property
+    def advantages(self) -> torch.Tensor:
+        return self.samples.advantages
+
+    @property
+    def sample_indices(self) -> list[int]:
+        return self.samples.sample_indices
 
     def to_sample_layout(self, x: torch.Tensor) -> torch.Tensor:
         """Model layout [R, T, ...] -> sample layout [N, S, ...] (zeros where no token);
