@@ -112,6 +112,7 @@ class _Job:
     log_probs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     attempts: int = 0
+    seed: int | None = None  # sampling_seed (rollout.seeds), kept when resumed or re-issued
 
 
 @dataclass
@@ -152,6 +153,11 @@ class AsyncRolloutPool:
         max_attempts: attempts of one request over all servers before the pool fails.
         meter: per-server request accounting, shared with other pools over the same servers;
             default a new one.
+        seed_of: ``seed_of(batch, drawn, slot) -> int``, the ``sampling_seed`` of the request
+            of sample ``slot`` of the prompt drawn ``drawn``-th (0-based) by this pool for
+            ``batch``; None leaves sampling to the servers' generators. Seeded requests
+            continue at their positions when resumed (SGLang's seeded sampling hashes the
+            position), so a sample does not depend on which server or attempt served it.
 
     Raises:
         ValueError: without clients, or for a meter of another server count.
@@ -169,9 +175,11 @@ class AsyncRolloutPool:
         routing=None,
         max_attempts: int = 5,
         meter: ServerMeter | None = None,
+        seed_of=None,
     ) -> None:
         if not clients:
             raise ValueError("the rollout pool needs at least one server")
+        self.seed_of = seed_of
         self.meter = meter or ServerMeter(len(clients))
         if self.meter.num_servers != len(clients):
             raise ValueError(f"meter of {self.meter.num_servers} servers for {len(clients)}")
@@ -191,10 +199,12 @@ class AsyncRolloutPool:
         self._done: dict[int, dict[int, list[Sample | None]]] = {}  # batch -> group -> slots
         self._pending: dict[int, int] = {}  # batch -> unfinished samples
         self._next_index = 0
+        self._index_floor = 0  # sample indices start here (restore_state)
         self._next_group = 0
         self._replacements: dict[int, int] = {}  # batch -> replacement groups admitted
         self._drawn = 0  # prompts taken from ``prompts``
         self._first_draw: dict[int, int] = {}  # batch -> ``_drawn`` before its first prompt
+        self._first_group: dict[int, int] = {}  # batch -> ``_next_group`` at its first group
         self._error: BaseException | None = None
         self._stopped = False
         self._started = False
@@ -329,6 +339,72 @@ class AsyncRolloutPool:
         with self._cond:
             return self._first_draw.get(batch, self._drawn)
 
+    def export_state(self, next_batch: int) -> dict:
+        """What a run checkpoint taken when the trainer has consumed the batches
+        ``< next_batch`` needs to re-create this pool exactly (``restore_state``).
+
+        In fixed-lag mode the batches ``next_batch .. next_batch + lag - 1`` are complete at
+        that point (``wait_before_update`` ran before the push): their samples are exported,
+        with the data position where the next batch's first prompt was drawn and the group
+        and sample counters. Batch ``next_batch + lag`` and later are re-created by the rule
+        (admitted at the version the checkpoint holds, per-request seeds), not exported.
+
+        Returns:
+            ``{"batches": [samples of each complete batch], "drawn": int, "next_group": int,
+            "next_index": int}`` (picklable).
+
+        Raises:
+            ValueError: in bounded mode (which version produced which token depends on timing)
+                or when a batch that must be complete is not.
+        """
+        if self.config.mode != "fixed_lag":
+            raise ValueError("async_pool.export_state: only fixed_lag mode is exact on resume")
+        lag = self.config.lag
+        with self._cond:
+            batches = []
+            for b in range(next_batch, next_batch + lag):
+                if self._pending.get(b) != 0:
+                    raise ValueError(f"batch {b} is not complete at the checkpoint")
+                groups = self._done[b]
+                batches.append([s for g in sorted(groups) for s in groups[g]])
+            first = self._first_draw.get(next_batch + lag, self._drawn)
+            indices = [s.index for batch in batches for s in batch]
+            return {
+                "batches": batches,
+                "drawn": first,
+                "next_group": self._first_group.get(next_batch + lag, self._next_group),
+                # Sample.index only names samples in messages; kept increasing.
+                "next_index": (max(indices) + 1) if indices else self._index_floor,
+            }
+
+    def restore_state(self, state: dict) -> None:
+        """Before ``start``: take the complete batches of ``export_state`` as batches
+        ``0 .. lag - 1`` of this pool (its caller positioned the prompt stream at the exported
+        ``drawn``), so the batch admitted next is the one the checkpointed pool would have.
+
+        Raises:
+            RuntimeError: after ``start``.
+            ValueError: for a state of another lag.
+        """
+        if self._started:
+            raise RuntimeError("restore_state after start()")
+        if len(state["batches"]) != self.config.lag:
+            raise ValueError(
+                f"pool state holds {len(state['batches'])} batches, async_pool.lag is "
+                f"{self.config.lag}"
+            )
+        with self._cond:
+            for b, samples in enumerate(state["batches"]):
+                groups: dict[int, list] = {}
+                for sample in samples:
+                    groups.setdefault(sample.group_index, []).append(sample)
+                self._done[b], self._pending[b], self._replacements[b] = groups, 0, 0
+                self._first_draw[b] = 0
+            self._next_batch = len(state["batches"])
+            self._next_group = state["next_group"]
+            self._next_index = state["next_index"]
+            self._index_floor = state["next_index"]
+
     def stop(self) -> None:
         """Stop the workers after their current request (servers are left running)."""
         with self._cond:
@@ -377,6 +453,7 @@ class AsyncRolloutPool:
     def _admit_group(self, batch: int) -> None:
         """Queue one group of the next prompt for ``batch`` (caller holds the lock)."""
         self._first_draw.setdefault(batch, self._drawn)
+        self._first_group.setdefault(batch, self._next_group)
         record = next(self.prompts)
         self._drawn += 1
         group = self._next_group
@@ -384,8 +461,10 @@ class AsyncRolloutPool:
         self._done[batch][group] = [None] * self.config.group_size
         self._pending[batch] += self.config.group_size
         ids = self.tokenizer.encode(record.prompt)
+        drawn = self._drawn - 1
         for slot in range(self.config.group_size):
-            self._queue.append(_Job(batch, group, slot, record, ids))
+            seed = None if self.seed_of is None else self.seed_of(batch, drawn, slot)
+            self._queue.append(_Job(batch, group, slot, record, ids, seed=seed))
 
     def _filter(self, batch: int, group: int) -> None:
         """Replace ``group`` of ``batch`` if it is complete, uninformative (equal rewards) and
@@ -465,7 +544,21 @@ class AsyncRolloutPool:
                 self._error = error
             self._cond.notify_all()
 
-    def _sampling_for(self, jobs: list[_Job]) -> SamplingParams:
+    def _sampling_for(self, jobs: list[_Job]) -> SamplingParams | list[SamplingParams]:
+        if self.seed_of is not None:  # one per request: each carries its own seed
+            return [
+                SamplingParams(
+                    **{
+                        **self.sampling.__dict__,
+                        # Resumed requests continue up to the original length limit.
+                        "max_new_tokens": max(1, self.sampling.max_new_tokens - len(j.response_ids))
+                        if j.response_ids
+                        else self.sampling.max_new_tokens,
+                        "sampling_seed": j.seed,
+                    }
+                )
+                for j in jobs
+            ]
         done = max(len(j.response_ids) for j in jobs)
         if done == 0:
             return self.sampling

@@ -78,6 +78,11 @@ class SamplingParams:
         top_k: keep the k most likely tokens; -1 keeps the whole vocabulary.
         max_new_tokens: maximum response length in tokens (>= 0).
         stop_token_ids: extra stop tokens (the model's eos ids always stop).
+        sampling_seed: per-request seed (SGLang 0.5.23 ``sampling_params.sampling_seed``,
+            an int64; honoured by SGLang with ``--enable-deterministic-inference``): each
+            token is drawn from noise hashed from (seed, position), independent of the
+            server's state and of the batch (see ``rollout.seeds``). None: the server's
+            generator.
     """
 
     temperature: float = 1.0
@@ -85,6 +90,7 @@ class SamplingParams:
     top_k: int = -1
     max_new_tokens: int = 128
     stop_token_ids: tuple[int, ...] = ()
+    sampling_seed: int | None = None
 
     def __post_init__(self) -> None:
         # Callers pass lists; keep the frozen record hashable and immutable.
@@ -103,6 +109,11 @@ class SamplingParams:
             raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be >= 0, got {self.stop_token_ids}")
+        seed = self.sampling_seed
+        if seed is not None and (
+            isinstance(seed, bool) or not isinstance(seed, int) or not -(2**63) <= seed < 2**63
+        ):
+            raise ValueError(f"sampling_seed must be an int64 or None, got {seed!r}")
 
     @property
     def greedy(self) -> bool:
@@ -111,13 +122,16 @@ class SamplingParams:
 
     def to_json(self) -> dict[str, Any]:
         """SGLang's ``sampling_params`` JSON object."""
-        return {
+        out = {
             "temperature": self.temperature,
             "top_p": self.top_p,
             "top_k": self.top_k,
             "max_new_tokens": self.max_new_tokens,
             "stop_token_ids": list(self.stop_token_ids),
         }
+        if self.sampling_seed is not None:
+            out["sampling_seed"] = self.sampling_seed
+        return out
 
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> SamplingParams:
@@ -215,7 +229,7 @@ class SGLangClient:
     def generate(
         self,
         input_ids: Sequence[int] | Sequence[Sequence[int]],
-        sampling: SamplingParams,
+        sampling: SamplingParams | Sequence[SamplingParams],
         *,
         routing: RoutingSpec | None = None,
         routed_experts_start_len: int = 0,
@@ -225,7 +239,8 @@ class SGLangClient:
 
         Args:
             input_ids: one prompt (list of ids) or a batch (list of lists).
-            sampling: sampling parameters shared by the batch.
+            sampling: sampling parameters shared by the batch, or one per prompt (SGLang
+                takes a list of ``sampling_params`` for a batch).
             routing: when given, ask for routed experts and decode them with this shape.
             routed_experts_start_len: first token position whose routing is returned.
             return_logprob: ask for ``output_token_logprobs``.
@@ -237,9 +252,16 @@ class SGLangClient:
         batch = [list(p) for p in input_ids] if _is_batch(input_ids) else [list(input_ids)]
         if not batch or any(len(p) == 0 for p in batch):
             raise ValueError("every prompt needs at least one token")
+        if isinstance(sampling, SamplingParams):
+            params: Any = sampling.to_json()
+        else:
+            params = [s.to_json() for s in sampling]
+            if len(params) != len(batch):
+                raise ValueError(f"{len(params)} sampling params for {len(batch)} prompts")
+            params = params if _is_batch(input_ids) else params[0]
         body: dict[str, Any] = {
             "input_ids": batch if _is_batch(input_ids) else batch[0],
-            "sampling_params": sampling.to_json(),
+            "sampling_params": params,
             "return_logprob": return_logprob,
         }
         if routing is not None:

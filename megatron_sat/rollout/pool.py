@@ -16,6 +16,7 @@ a server is back.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import re
 from collections.abc import Callable, Iterator, Sequence
@@ -159,8 +160,13 @@ class RolloutPool:
         top_k: int = -1,
         max_new_tokens: int,
         with_routing: bool = True,
+        seed_of: Callable[[int, int], int] | None = None,
     ) -> list[Sample]:
         """``group_size`` scored samples per record, grouped contiguously in record order.
+
+        ``seed_of(record_index, sample_index)`` (indices within this call), when given, is
+        each request's ``sampling_seed`` (``rollout.seeds``): the samples then do not depend
+        on the servers' generators, which server serves them, or a re-issue.
 
         A server that fails is marked dead and its requests are re-issued on the live ones.
 
@@ -179,13 +185,19 @@ class RolloutPool:
         prompts = [self.tokenizer.encode(r.prompt) for r in records]
         requests = [(g, ids) for g, ids in enumerate(prompts) for _ in range(group_size)]
         routing = self.routing if with_routing else None
+        per_request = None
+        if seed_of is not None:
+            per_request = [
+                dataclasses.replace(sampling, sampling_seed=seed_of(g, k))
+                for g in range(len(prompts))
+                for k in range(group_size)
+            ]
 
         def run(server: int, client: SGLangClient, shard: list[int]):
             self.meter.begin(server)
             try:
-                outputs = client.generate(
-                    [requests[i][1] for i in shard], sampling, routing=routing
-                )
+                params = sampling if per_request is None else [per_request[i] for i in shard]
+                outputs = client.generate([requests[i][1] for i in shard], params, routing=routing)
             except BaseException:
                 self.meter.end(server, failed=True)
                 raise

@@ -26,8 +26,12 @@ def evaluate(
     samples_per_prompt: int,
     temperature: float,
     max_new_tokens: int,
+    seed_of=None,
 ) -> dict[str, float]:
     """Greedy accuracy and sampled avg@k on ``records``.
+
+    ``seed_of(prompt_index, sample_index) -> int``, when given, seeds each sampled request
+    (``rollout.seeds``), so an evaluation repeats exactly whatever the servers' state.
 
     The noise of each figure is the standard error of the mean over prompts (for avg@k, of the
     per-prompt mean over its k samples): the spread a different draw of held-out prompts (and
@@ -48,6 +52,7 @@ def evaluate(
         temperature=temperature,
         max_new_tokens=max_new_tokens,
         with_routing=False,
+        seed_of=seed_of,
     )
     acc, acc_se = mean_and_stderr([s.reward for s in greedy])
     k = samples_per_prompt

@@ -60,6 +60,7 @@ from megatron_sat.rollout.fleet import PushReport, RolloutFleet, sync_servers
 from megatron_sat.rollout.meter import ServerMeter, server_metrics
 from megatron_sat.rollout.pool import NoLiveServer, RolloutPool, informative_batch
 from megatron_sat.rollout.rewards import math_reward
+from megatron_sat.rollout.seeds import request_seed
 from megatron_sat.rollout.types import Sample, staleness
 from megatron_sat.training.evaluate import evaluate
 from megatron_sat.training.run_logger import RunLogger
@@ -484,8 +485,16 @@ def _lead(
                 ),
                 routing=RoutingSpec(num_layers, top_k, num_experts),
                 meter=meter,
+                # Batch b is consumed by step first_step + b; drawn counts from pool_start.
+                seed_of=lambda b, drawn, slot: request_seed(
+                    cfg.train.seed, first_step + b, pool_start + drawn, slot
+                ),
             )
             pools.append(async_pool)
+            restored = {} if state is None else state.rollout_state
+            if restored.get("batches") is not None and ro.mode == "fixed_lag":
+                # The batches generated ahead of the checkpoint, exactly as they were.
+                async_pool.restore_state(restored)
         restart_s = 0.0  # of the current step
         filtered_groups = 0  # synchronous mode's replaced groups, since the start
 
@@ -514,7 +523,9 @@ def _lead(
                     tqdm.write(f"{e}; reviving the rollout servers")
                     push()
 
-        def run_eval() -> dict[str, float]:
+        run_seed = cfg.train.seed
+
+        def run_eval(after_step: int) -> dict[str, float]:
             return revived(
                 lambda: evaluate(
                     pool,
@@ -522,11 +533,12 @@ def _lead(
                     samples_per_prompt=ro.eval_samples_per_prompt,
                     temperature=ro.eval_temperature,
                     max_new_tokens=ro.max_new_tokens,
+                    seed_of=lambda i, k: request_seed(run_seed, after_step, i, k, "eval"),
                 )
             )
 
         if state is None:
-            initial = run_eval()
+            initial = run_eval(0)
             logger.log(0, initial)
         else:
             initial = state.extra["initial_eval"]
@@ -547,18 +559,23 @@ def _lead(
             if async_pool is not None:
                 samples = revived(functools.partial(async_pool.get_batch, step - first_step))
             else:
+
+                def seeded(records, step=step):
+                    # The records were just drawn: data positions consumed - len .. consumed.
+                    first = prompts.consumed - len(records)
+                    return functools.partial(
+                        pool.generate_groups,
+                        records,
+                        ro.group_size,
+                        temperature=ro.temperature,
+                        top_p=ro.top_p,
+                        top_k=ro.top_k,
+                        max_new_tokens=ro.max_new_tokens,
+                        seed_of=lambda g, j: request_seed(run_seed, step, first + g, j),
+                    )
+
                 samples, replaced = informative_batch(
-                    lambda records: revived(
-                        functools.partial(
-                            pool.generate_groups,
-                            records,
-                            ro.group_size,
-                            temperature=ro.temperature,
-                            top_p=ro.top_p,
-                            top_k=ro.top_k,
-                            max_new_tokens=ro.max_new_tokens,
-                        )
-                    ),
+                    lambda records: revived(seeded(records)),
                     prompts,
                     ro.prompts_per_step,
                     ro.group_size,
@@ -594,7 +611,7 @@ def _lead(
                 }
             )
             if step % cfg.train.eval_every == 0 or step == cfg.train.num_steps:
-                metrics.update(run_eval())
+                metrics.update(run_eval(step))
                 last_acc = metrics["eval/acc_greedy"]
             # Per server index, since the previous step's log (evaluation included).
             now = meter.snapshot()
@@ -614,9 +631,22 @@ def _lead(
             logger.log(step, metrics)
             followers.tell("save", step)
             drawn = prompts.consumed  # the prompts admitted ahead are drawn again on resume
-            if async_pool is not None:
+            pool_state = None
+            if async_pool is not None and ro.mode == "fixed_lag" and due(cfg, step):
+                # Exact: the complete batches ahead are saved, the next one re-created.
+                pool_state = async_pool.export_state(step - first_step + 1)
+                drawn = pool_start + pool_state["drawn"]
+            elif async_pool is not None:
                 drawn = pool_start + async_pool.drawn_before(step - first_step + 1)
-            save_if_due(cfg, trainer, step, version=version, initial=initial, prompts=drawn)
+            save_if_due(
+                cfg,
+                trainer,
+                step,
+                version=version,
+                initial=initial,
+                prompts=drawn,
+                rollout_state=pool_state,
+            )
             followers.idle()
             progress.set_postfix(
                 reward=f"{metrics['rollout/reward']:.3f}",
@@ -647,6 +677,11 @@ def sync_options(cfg: RunConfig, num_servers: int) -> dict:
     return options
 
 
+def due(cfg: RunConfig, step: int) -> bool:
+    """Whether a run checkpoint is written after ``step``."""
+    return should_save(step, cfg.train.save_every) or step == cfg.train.num_steps
+
+
 def save_if_due(
     cfg: RunConfig,
     trainer: PolicyTrainer,
@@ -655,11 +690,12 @@ def save_if_due(
     version: int | None,
     initial: dict | None,
     prompts: int | None = None,
+    rollout_state: dict | None = None,
 ) -> None:
     """Run checkpoint after ``step`` every ``train.save_every`` steps and after the last one
     (collective: every rank calls it; rank 0's version and data position, ``prompts``
     consumed from the prompt stream by the batches trained on so far, are written)."""
-    if not (should_save(step, cfg.train.save_every) or step == cfg.train.num_steps):
+    if not due(cfg, step):
         return
     save_run_checkpoint(
         cfg.run_dir,
@@ -668,6 +704,7 @@ def save_if_due(
         step=step,
         weight_version=version or 0,
         data_state={"prompts_consumed": prompts or 0},
+        rollout_state=rollout_state,
         extra={"initial_eval": initial or {}},
     )
 

@@ -21,6 +21,7 @@ forward returns ``(router_logits, router_scores, router_indices)`` in transforme
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -169,7 +170,8 @@ class GenerationEngine:
         active = [r.sampling.max_new_tokens > 0 for r in requests]
         stops = [set(r.sampling.stop_token_ids) | self.eos_token_ids for r in requests]
         while any(active):
-            tokens, logprobs = self._sample(logits, [r.sampling for r in requests])
+            # pos[:, -1]: the position of each row's last input token (SGLang's positions).
+            tokens, logprobs = self._sample(logits, [r.sampling for r in requests], pos[:, -1])
             for b, req in enumerate(requests):
                 if not active[b]:
                     continue
@@ -199,12 +201,22 @@ class GenerationEngine:
         return outputs
 
     def _sample(
-        self, logits: torch.Tensor, params: list[SamplingParams]
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        positions: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Sample one token per row as SGLang's torch sampler does.
 
+        A row whose params carry ``sampling_seed`` draws from Gumbel noise that depends only
+        on (seed, position, vocabulary index), as SGLang's ``multinomial_with_seed`` (its
+        hash is murmur3 on the GPU; ours is a torch generator seeded from (seed, position)):
+        neither the engine's generator nor the batch it shares changes its token.
+
         Args:
             logits: [B, V] float32.
+            positions: [B] int64, position of each row's last input token (needed for seeded
+                rows).
 
         Returns:
             tokens [B] int64 and their log-probs [B] under softmax(logits / T), untruncated.
@@ -221,7 +233,21 @@ class GenerationEngine:
         probs_sum = probs_sort.cumsum(dim=-1)
         probs_sort[torch.arange(vocab)[None, :] >= top_ks[:, None]] = 0.0
         probs_sort[(probs_sum - probs_sort) > top_ps[:, None]] = 0.0
-        sampled = probs_idx.gather(1, torch.multinomial(probs_sort, 1, generator=self.generator))
+        seeded = [b for b, p in enumerate(params) if p.sampling_seed is not None and not p.greedy]
+        unseeded = [b for b in range(len(params)) if b not in set(seeded)]
+        sampled = torch.zeros(len(params), 1, dtype=torch.long)
+        if unseeded:  # the engine's generator draws for these rows only, in row order
+            rows = torch.tensor(unseeded)
+            draws = torch.multinomial(probs_sort[rows], 1, generator=self.generator)
+            sampled[rows] = probs_idx[rows].gather(1, draws)
+        if seeded:
+            if positions is None:
+                raise ValueError("seeded sampling needs the token positions")
+            for b in seeded:
+                truncated = torch.zeros(vocab, dtype=torch.float64)
+                truncated[probs_idx[b]] = probs_sort[b].double()
+                noise = _gumbel(params[b].sampling_seed, int(positions[b]), vocab)
+                sampled[b, 0] = int((truncated.log() + noise).argmax())
         tokens = torch.where(greedy, logits.argmax(dim=-1), sampled.view(-1))
         return tokens, logprobs_all.gather(1, tokens[:, None]).view(-1)
 
@@ -230,6 +256,16 @@ class GenerationEngine:
         """Copy tensors into the live model by on-disk HF name (validated by the caller)."""
         for name, tensor in named_tensors:
             self.weight_targets[name].copy_(tensor)
+
+
+def _gumbel(seed: int, position: int, vocab: int) -> torch.Tensor:
+    """Gumbel noise [vocab] float64 that depends only on (seed, position): SGLang's seeded
+    sampling draws argmax(log p + noise) (float64, uniforms clamped away from 0 and 1)."""
+    key = hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8).digest()
+    generator = torch.Generator().manual_seed(int.from_bytes(key, "little") >> 1)
+    u = torch.rand(vocab, dtype=torch.float64, generator=generator)
+    u = u.clamp(min=2.0**-53, max=1.0 - 2.0**-53)
+    return -torch.log(-torch.log(u))
 
 
 def _eos_token_ids(config, generation_config) -> set[int]:

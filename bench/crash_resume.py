@@ -1,0 +1,169 @@
+"""Crash-exact resume: kill a short RL run with SIGKILL at random points, resume it, compare.
+
+One uninterrupted run of ``megatron-sat train`` (a tiny random Qwen3-MoE, the arithmetic
+task, one embedded rollout server, checkpoints every 2 steps) is the reference. Then, for
+each of ``--points`` kill points, a fresh run is killed -- either at a random moment of its
+wall time, or between the run checkpoint commit's steps (``MEGATRON_SAT_CRASH_AT``, phases
+written/renamed/committed) -- and resumed with ``train.resume=true`` until it finishes. A kill
+point counts as identical when every non-timing metric of ``metrics.jsonl`` and every tensor
+of the final ``checkpoint/model.safetensors`` equal the reference's bit for bit.
+``orphans`` counts the processes of the killed runs (anything whose command line names the
+run's checkpoint) still alive 15 s after each kill.
+
+The last line is JSON: ``resumed_identical`` (fraction of kill points, goal 1.0),
+``orphans`` (goal 0), the kill points, the seconds of the reference run.
+Usage: ``python bench/crash_resume.py [--points 5] [--mode sync] [--seed 0]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+TIMING = ("time/", "per_s", "utilisation")
+PHASES = ("written", "renamed", "committed")
+
+
+def make_inputs(root: Path) -> tuple[Path, Path]:
+    """A tiny random Qwen3-MoE with the char tokenizer, and an arithmetic train/test split."""
+    from megatron_sat.checkpoint.tiny_models import make_tiny_checkpoint
+    from megatron_sat.rollout.arith import make_arith_splits
+    from megatron_sat.rollout.tokenizer import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer()
+    ckpt = make_tiny_checkpoint(
+        "Qwen3MoeForCausalLM",
+        root / "init",
+        seed=2,
+        vocab_size=len(tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    tokenizer.save_pretrained(ckpt)
+    data = root / "data"
+    data.mkdir()
+    train, test = make_arith_splits(32, 4, seed=0, max_digits=1)
+    for name, rows in (("train", train), ("test", test)):
+        (data / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return ckpt, data
+
+
+def command(run_dir: Path, ckpt: Path, data: Path, mode: str, *extra: str) -> list[str]:
+    return [
+        sys.executable, "-m", "megatron_sat.cli", "train",
+        f"init_checkpoint={ckpt}", f"run_dir={run_dir}",
+        f"data.train_path={data / 'train.jsonl'}", f"data.eval_path={data / 'test.jsonl'}",
+        "data.num_eval_prompts=4", "rollout.prompts_per_step=4", "rollout.group_size=4",
+        "rollout.max_new_tokens=4", "rollout.eval_samples_per_prompt=2", f"rollout.mode={mode}",
+        "train.seed=5", "train.num_steps=6", "train.save_every=2", "train.eval_every=3",
+        "train.micro_batch_size=16", *extra,
+    ]  # fmt: skip
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if not any(t in k for t in TIMING)} for r in rows]
+
+
+def weights(run_dir: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(run_dir / "checkpoint" / "model.safetensors")
+
+
+def alive_mentioning(text: str) -> list[int]:
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if text in cmdline and state != "Z" and int(pid) != os.getpid():
+            found.append(int(pid))
+    return found
+
+
+def orphans_after(ckpt: Path, wait_s: float = 15.0) -> int:
+    deadline = time.time() + wait_s
+    while time.time() < deadline and alive_mentioning(str(ckpt)):
+        time.sleep(0.2)
+    return len(alive_mentioning(str(ckpt)))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--points", type=int, default=5)
+    parser.add_argument("--mode", default="sync", choices=["sync", "fixed_lag", "bounded"])
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    rng = random.Random(args.seed)
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
+    with tempfile.TemporaryDirectory(prefix="crash_resume_") as tmp:
+        root = Path(tmp)
+        ckpt, data = make_inputs(root)
+        t0 = time.time()
+        ref = subprocess.run(
+            command(root / "ref", ckpt, data, args.mode), env=env, capture_output=True
+        )
+        ref_s = time.time() - t0
+        if ref.returncode != 0:
+            raise SystemExit(ref.stderr.decode()[-3000:])
+        want_metrics, want_weights = metrics(root / "ref"), weights(root / "ref")
+        identical, orphans, points = 0, 0, []
+        for i in range(args.points):
+            run_dir = root / f"kill{i}"
+            resume = command(run_dir, ckpt, data, args.mode, "train.resume=true")
+            if i % 2 == 0:  # between the commit's steps, at a checkpointed step
+                point = f"{PHASES[rng.randrange(3)]}:{rng.choice([2, 4])}"
+                proc = subprocess.run(
+                    resume, env={**env, "MEGATRON_SAT_CRASH_AT": point}, capture_output=True
+                )
+                killed = proc.returncode == -signal.SIGKILL
+            else:  # at a random moment (checkpoint writes included)
+                delay = rng.uniform(0.3, 0.9) * ref_s
+                point = f"t={delay:.1f}s"
+                proc = subprocess.Popen(
+                    resume, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+                )
+                try:
+                    proc.wait(timeout=delay)
+                    killed = False
+                except subprocess.TimeoutExpired:
+                    proc.send_signal(signal.SIGKILL)
+                    proc.wait()
+                    killed = True
+            orphans += orphans_after(ckpt)
+            done = subprocess.run(resume, env=env, capture_output=True)
+            ok = done.returncode == 0
+            if ok:
+                got = weights(run_dir)
+                ok = metrics(run_dir) == want_metrics and all(
+                    (got[k] == v).all().item() for k, v in want_weights.items()
+                )
+            identical += ok
+            points.append({"point": point, "killed": killed, "identical": bool(ok)})
+            print(json.dumps(points[-1]), flush=True)
+    print(
+        json.dumps(
+            {
+                "mode": args.mode,
+                "resumed_identical": identical / max(1, args.points),
+                "orphans": orphans,
+                "points": points,
+                "reference_run_s": round(ref_s, 1),
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
