@@ -644,6 +644,59 @@ def test_recompute_reuses_its_own_micro_batchs_routes(megatron_world):
             log_probs.sum().backward()
 
 
+def _grads_after(model, controller, routes, mbs, order):
+    """Forward every micro-batch in index order inside one training session, then backward
+    them in ``order``; the accumulated gradients (cloned) and the session's report."""
+    model.zero_grad(set_to_none=True)
+    with controller.replay(routes, training=True, capture=True) as report:
+        losses = []
+        for i, mb in enumerate(mbs):
+            with controller.micro_batch(i):
+                losses.append((forward_log_probs(model, mb) * mb.loss_mask).sum())
+        for i in order:
+            losses[i].backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, report
+
+
+def test_out_of_order_backward_recomputes_each_micro_batchs_own_routes(megatron_world):
+    # F0, F1, B1, B0 under full recompute: B1's recompute must replay micro-batch 1's routes
+    # (megatron-core's per-layer FIFO would hand it micro-batch 0's). The gradients must be
+    # those of the in-order backward (F0, F1, B0, B1), bitwise: fp32 sums of two terms commute.
+    model = build_model(HF4, recompute_granularity="full")
+    controller = RoutingReplay(model)
+    mbs = [
+        build_micro_batch(
+            make_samples([(4, 4), (3, 5)], HF4, seed=seed),
+            [1.0, -1.0],
+            pad_token_id=0,
+            routing_shape=(4, 2, 8),
+        )
+        for seed in (0, 1)
+    ]  # same shapes: a wrong pop would not be caught by a token count
+    routes = {i: controller.routes_for(mb.routes, mb.routes_valid) for i, mb in enumerate(mbs)}
+    in_order, _ = _grads_after(model, controller, routes, mbs, [0, 1])
+    swapped, report = _grads_after(model, controller, routes, mbs, [1, 0])
+    assert report.recomputes == {layer: 2 for layer in range(1, 5)}
+    for (mb, layer), recomputed in report.recomputed.items():
+        assert torch.equal(recomputed, as_map(routes[mb].targets[layer])), (mb, layer)
+    assert in_order.keys() == swapped.keys()
+    for name, grad in in_order.items():
+        assert torch.equal(swapped[name], grad), name
+    # One backward through both losses: each block output's hook still names the micro-batch
+    # whose recomputes follow (autograd runs micro-batch 1's later nodes first).
+    model.zero_grad(set_to_none=True)
+    with controller.replay(routes, training=True) as report:
+        losses = []
+        for i, mb in enumerate(mbs):
+            with controller.micro_batch(i):
+                losses.append((forward_log_probs(model, mb) * mb.loss_mask).sum())
+        (losses[0] + losses[1]).backward()
+    assert report.recomputes == {layer: 2 for layer in range(1, 5)}
+    for name, param in model.named_parameters():
+        if name in in_order:
+            torch.testing.assert_close(param.grad, in_order[name], rtol=1e-6, atol=0)
+
+
 def test_routes_must_be_distinct_integer_ids_and_advantages_finite(tiny_checkpoint, trainer):
     sample = rollout_samples(tiny_checkpoint, [(3, 2)])[0]
     good = sample.routed_experts

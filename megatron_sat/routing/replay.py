@@ -15,10 +15,14 @@ module rests on are in ARCHITECTURE.md ("RouterReplay under PP + recompute").
   names with :meth:`RoutingReplay.micro_batch` (the forward step of a pipeline schedule).
   megatron-core replays ``REPLAY_FORWARD`` targets on the forward; activation recompute happens
   later, inside the backward, where this module switches the router to ``REPLAY_BACKWARD`` so
-  that it pops megatron-core's per-layer FIFO, which holds exactly the targets of the forwards
-  of that layer in forward order. 1F1B (and no pipelining) runs backwards in forward order per
-  stage, so each recompute gets its own micro-batch's routes; a parallel ledger of
-  (micro-batch, target) checks the FIFO head by identity and raises when it is out of step.
+  that it pops megatron-core's per-layer FIFO, which holds the targets of the forwards of that
+  layer in forward order. Backwards need not run in forward order (interleaved pipelining, or
+  any caller: F0, F1, B1, B0), so the FIFO's order is not trusted: each decoder block's output
+  carries a gradient hook that names the micro-batch whose backward enters the block, and
+  before each recompute the target of that (micro-batch, layer) is moved to the FIFO's head (a
+  ledger of (micro-batch, target) per layer finds it by identity). Two micro-batches'
+  backwards interleaving inside one block (one backward through both losses) cannot be told
+  apart and raise.
 - Every session clears the indices and actions of its routers on entry and on exit, and on a
   clean exit checks that each layer was recomputed either for every forward that can be
   backpropagated or for none. No-grad forwards outside a checkpoint never enter the FIFO.
@@ -35,7 +39,7 @@ module rests on are in ARCHITECTURE.md ("RouterReplay under PP + recompute").
 from __future__ import annotations
 
 import contextlib
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -194,6 +198,37 @@ class _Call:
     own: torch.Tensor | None = None
     replayed: torch.Tensor | None = None
     will_backward: bool = False
+    checkpointed: bool = False
+
+
+@dataclass
+class _Queued:
+    """One forward of a layer that a backward may recompute: its micro-batch, the target the
+    recompute must replay (the very tensor in megatron-core's FIFO), and whether it ran inside
+    a checkpoint (only those are recomputed)."""
+
+    micro_batch: int
+    target: torch.Tensor
+    checkpointed: bool
+
+
+def _checkpointing() -> bool:
+    from megatron.core.tensor_parallel.random import is_checkpointing
+
+    return bool(is_checkpointing())
+
+
+def _decoder_blocks(chunks: Sequence[torch.nn.Module]) -> list[torch.nn.Module]:
+    """megatron-core ``TransformerBlock`` modules of the decoder (none inside an MTP block)."""
+    from megatron.core.transformer.transformer_block import TransformerBlock
+
+    blocks = []
+    for chunk in chunks:
+        inside_mtp = _mtp_module_ids(chunk)
+        for module in chunk.modules():
+            if isinstance(module, TransformerBlock) and id(module) not in inside_mtp:
+                blocks.append(module)
+    return blocks
 
 
 def _will_backward(grad_at_micro_batch: bool) -> bool:
@@ -254,8 +289,17 @@ class RoutingReplay:
         self._current: int | None = None
         self._grad_at_micro_batch = False
         self._calls: dict[int, _Call] = {}
-        self._ledger: dict[int, deque] = {}
+        self._ledger: dict[int, list[_Queued]] = {}
         self._queued: Counter = Counter()
+        # Decoder blocks (not MTP) and, per router, the block holding it: the block's output
+        # gradient hook says whose backward is running in it (see the module docstring).
+        self._blocks = _decoder_blocks(chunks)
+        self._block_of: dict[int, int] = {}
+        for block in self._blocks:
+            for module in block.modules():
+                if id(module) in self._layer_of:
+                    self._block_of[self._layer_of[id(module)]] = id(block)
+        self._backward_mb: dict[int, int] = {}
         self._report = ReplayReport()
 
     # -- targets ---------------------------------------------------------------------------
@@ -419,11 +463,15 @@ class RoutingReplay:
         self._mode, self._training, self._audit, self._capture = mode, training, audit, capture
         self._routes = routes
         self._report = ReplayReport()
-        self._ledger = {layer: deque() for layer in self.layers}
+        self._ledger = {layer: [] for layer in self.layers}
         self._queued = Counter()
         self._calls = {}
+        self._backward_mb = {}
         self._reset_routers()
         handles = []
+        if training:
+            for block in self._blocks:
+                handles.append(block.register_forward_hook(self._block_post_hook))
         for layer, router in self.routers.items():
             handles.append(router.register_forward_pre_hook(self._pre_hook, with_kwargs=True))
             handles.append(router.register_forward_hook(self._post_hook))
@@ -493,13 +541,7 @@ class RoutingReplay:
                 )
             if not self._ledger[layer]:
                 raise RuntimeError(f"recompute of layer {layer} has no recorded forward to reuse")
-            mb, target = self._ledger[layer].popleft()
-            head = replay.replay_backward_list[0] if replay.replay_backward_list else None
-            if head is not target:
-                raise RuntimeError(
-                    f"recompute of layer {layer} (micro-batch {mb}): megatron-core's backward "
-                    "FIFO is out of step with the forwards of this session"
-                )
+            mb, target = self._recompute_target(layer, replay)
             self._check_tokens(mb, layer, target, num_tokens)
             replay.set_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
             self._calls[layer] = _Call("recompute", mb, None)
@@ -519,7 +561,7 @@ class RoutingReplay:
             self._check_tokens(mb, layer, target, num_tokens)
             if self._training and _will_backward(self._grad_at_micro_batch):
                 replay.set_target_indices(target)  # also appends to the backward FIFO
-                self._ledger[layer].append((mb, target))
+                self._ledger[layer].append(_Queued(mb, target, _checkpointing()))
                 self._queued[layer] += 1
             else:
                 replay.target_topk_idx = target
@@ -527,7 +569,11 @@ class RoutingReplay:
         else:
             replay.set_router_replay_action(RouterReplayAction.RECORD)
         self._calls[layer] = _Call(
-            "forward", mb, real, will_backward=_will_backward(self._grad_at_micro_batch)
+            "forward",
+            mb,
+            real,
+            will_backward=_will_backward(self._grad_at_micro_batch),
+            checkpointed=_checkpointing(),
         )
         self._report.forwards[layer] += 1
         return None
@@ -547,7 +593,7 @@ class RoutingReplay:
             self._report.recorded[key] = recorded
             if self._training and call.will_backward:
                 replay.replay_backward_list.append(recorded)
-                self._ledger[layer].append((call.micro_batch, recorded))
+                self._ledger[layer].append(_Queued(call.micro_batch, recorded, call.checkpointed))
                 self._queued[layer] += 1
         if self._capture:
             self._report.used[key] = output[1].detach()
@@ -561,6 +607,72 @@ class RoutingReplay:
             report = self._report
             report.differ[layer] = report.differ.get(layer, 0) + differ.sum()
             report.tokens[layer] = report.tokens.get(layer, 0) + count
+
+    def _block_post_hook(self, block, args, output):
+        """Tag a decoder block's output so its gradient names the micro-batch whose backward
+        enters the block (it runs before any recompute inside the block)."""
+        hidden = output[0] if isinstance(output, tuple) else output
+        mb = self._current
+        if mb is None or not torch.is_tensor(hidden) or not hidden.requires_grad:
+            return None
+        block_id = id(block)
+
+        def backward_begins(grad):
+            previous = self._backward_mb.get(block_id)
+            if previous is not None and previous != mb and self._pending(block_id, previous):
+                raise RuntimeError(
+                    f"the backwards of micro-batches {min(previous, mb)} and "
+                    f"{max(previous, mb)} interleave in one decoder block: the routes of their "
+                    "recomputes cannot be told apart (backpropagate one micro-batch at a time)"
+                )
+            self._backward_mb[block_id] = mb
+            return None
+
+        hidden.register_hook(backward_begins)
+        return None
+
+    def _pending(self, block_id: int, mb: int) -> bool:
+        """Whether micro-batch ``mb`` still has a checkpointed forward of the block to recompute."""
+        return any(
+            entry.micro_batch == mb and entry.checkpointed
+            for layer, entries in self._ledger.items()
+            if self._block_of.get(layer) == block_id
+            for entry in entries
+        )
+
+    def _recompute_target(self, layer: int, replay) -> tuple[int, torch.Tensor]:
+        """The micro-batch being backpropagated through ``layer``'s block and its target for
+        the layer, moved to the head of megatron-core's FIFO (which ``REPLAY_BACKWARD`` pops).
+
+        Raises:
+            RuntimeError: when no tagged backward is running in the block, or that micro-batch
+                has no checkpointed forward of the layer left, or the FIFO lost the target.
+        """
+        mb = self._backward_mb.get(self._block_of.get(layer))
+        if mb is None:
+            raise RuntimeError(
+                f"recompute of layer {layer} outside the backward of a decoder block's output: "
+                "cannot tell which micro-batch's routes to replay"
+            )
+        entries = self._ledger[layer]
+        index = next(
+            (i for i, e in enumerate(entries) if e.micro_batch == mb and e.checkpointed), None
+        )
+        if index is None:
+            raise RuntimeError(
+                f"recompute of layer {layer} in the backward of micro-batch {mb}, which has no "
+                "checkpointed forward of this layer left to recompute"
+            )
+        target = entries.pop(index).target
+        fifo = replay.replay_backward_list
+        position = next((i for i, t in enumerate(fifo) if t is target), None)
+        if position is None:
+            raise RuntimeError(
+                f"recompute of layer {layer} (micro-batch {mb}): megatron-core's backward FIFO "
+                "no longer holds this session's target"
+            )
+        fifo.insert(0, fifo.pop(position))
+        return mb, target
 
     def _check_tokens(self, mb: int, layer: int, target: torch.Tensor, num_tokens: int) -> None:
         if target.shape[0] != num_tokens:
