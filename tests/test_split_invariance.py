@@ -32,7 +32,15 @@ ROOT = Path(__file__).resolve().parents[1]
 GROUP_SIZE = 4
 NUM_GROUPS = 6
 TRAINER_VERSION = 3
-TRAIN = {"lr": 1e-3, "clip_grad": 0.0, "micro_batch_size": 24, "use_r3": True}
+# The full reduced gradients are compared (main_grad): megatron-core's distributed optimizer
+# (on by default at a DP size > 1) reduce-scatters them, leaving each rank only its shard.
+TRAIN = {
+    "lr": 1e-3,
+    "clip_grad": 0.0,
+    "micro_batch_size": 24,
+    "use_r3": True,
+    "use_distributed_optimizer": False,
+}
 # Whole groups, uneven on purpose: rank 0 has 4 groups (16 samples), rank 1 has 2 (8).
 SHARES = [slice(0, 16), slice(16, 24)]
 CASES = [

@@ -30,7 +30,9 @@ NUM_GROUPS = 4
 TRAINER_VERSION = 3
 # clip_grad far above the norm: megatron-core reports the global grad norm (it computes it only
 # to clip) and the gradients stay unclipped, so a wrong scale shows in them.
-TRAIN = {"lr": 1e-3, "clip_grad": 1e6, "use_r3": True}
+# The full reduced gradients are compared (main_grad): megatron-core's distributed optimizer
+# (on by default at a DP size > 1) reduce-scatters them, leaving each rank only its shard.
+TRAIN = {"lr": 1e-3, "clip_grad": 1e6, "use_r3": True, "use_distributed_optimizer": False}
 REFERENCE_MICRO_BATCH = 8  # 16 samples: 2 micro-batches in the single-rank reference
 # With the entropy bonus: its vocab-parallel entropy and gradient are part of the comparison.
 OBJECTIVE = {"name": "sat-gspo", "sat_alpha": 0.5, "entropy_coef": 0.01}

@@ -211,10 +211,22 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def _sharded_state(model, optimizer, *, is_loading: bool) -> dict[str, Any]:
+    if is_loading:  # a fresh distributed optimizer has no states to describe yet
+        from megatron_sat.training.distrib_optimizer_fix import init_states_for_loading
+
+        init_states_for_loading(optimizer)
     model_sd = model_sharded_state_dict(model)
     return {
         "model": model_sd,
-        "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading),
+        # The distributed optimizer's default format (fully_sharded_model_space) is refused by
+        # megatron-core 0.19's ShardedTensor ("flattened_range is not supported") and
+        # fully_reshardable gathers with a literal .cuda(); dp_reshardable stores each DP
+        # rank's shard (resume at the same DP size). The other optimizers ignore the key.
+        "optimizer": optimizer.sharded_state_dict(
+            model_sd,
+            is_loading=is_loading,
+            metadata={"distrib_optim_sharding_type": "dp_reshardable"},
+        ),
     }
 
 
@@ -355,7 +367,8 @@ def load_run_checkpoint(
         )
     loaded = load_dist_checkpoint(_sharded_state(model, optimizer, is_loading=True), ckpt / "dist")
     unwrap(model).load_state_dict(loaded["model"], strict=True)
-    optimizer.load_state_dict(loaded["optimizer"])
+    with torch.no_grad():  # the distributed optimizer copies into its leaf main params
+        optimizer.load_state_dict(loaded["optimizer"])
     if load_rng:
         set_rng_state(torch.load(ckpt / "rng" / f"rank_{_rank():05d}.pt", weights_only=False))
     state = torch.load(ckpt / "state.pt", weights_only=False)

@@ -32,6 +32,7 @@ from megatron_sat.rollout.types import Sample, staleness
 from megatron_sat.routing.replay import RoutingReplay, capture_routing
 from megatron_sat.routing.slicing import moe_layer_numbers, router_token_order
 from megatron_sat.training.batching import MicroBatch, build_micro_batch
+from megatron_sat.training.distrib_optimizer_fix import realign_param_group_index_map
 from megatron_sat.training.distributed import ParallelConfig, init_distributed
 from megatron_sat.training.logprobs import forward_log_probs, forward_log_probs_and_entropy
 from megatron_sat.training.loss_reduction import (
@@ -222,6 +223,7 @@ class PolicyTrainer:
             [self.model],
         )
         self.routing_shape = (
+        realign_param_group_index_map(self.optimizer)  # bf16 + fp32 routers in one group
             self.config.num_layers,
             self.config.moe_router_topk,
             self.config.num_moe_experts,

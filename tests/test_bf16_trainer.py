@@ -1,0 +1,101 @@
+"""bf16 mixed precision in PolicyTrainer: built objects, log-probs against fp32, R3, at TP2+SP,
+EP2 and DP2 under torchrun (tests/dist/bf16_parallel.py), and the optimizer layout's rules."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import run_torchrun
+
+from megatron_sat.config import TrainConfig
+from megatron_sat.training.optimizer_layout import bytes_per_param, resolve_optimizer_layout
+
+# bf16 tolerances of the per-token log-probs (nats), the same checkpoint in fp32 and bf16.
+# Before the step the bf16 model holds the fp32 weights rounded to bf16 (unit roundoff 2^-9)
+# and computes every matmul in bf16: with |logits| of a few nats over 4 layers that is ~1e-2
+# per token (measured: mean 0.011, max 0.031). After one Adam step (lr 1e-4) the difference
+# also holds the step's own: Adam's first update is +-lr per weight by the sign of its
+# gradient, and bf16 gradients flip the sign of near-zero components (measured: mean 0.027,
+# max 0.15).
+BEFORE_MEAN, BEFORE_MAX = 0.015, 0.05
+AFTER_MEAN, AFTER_MAX = 0.04, 0.2
+
+
+@pytest.mark.slow
+def test_bf16_parallel_layouts(tmp_path):
+    from megatron_sat.checkpoint.tiny_models import make_tiny_checkpoint
+
+    ckpt = make_tiny_checkpoint(
+        "Qwen3MoeForCausalLM", tmp_path / "ckpt", num_hidden_layers=4, num_experts=8
+    )
+    run_torchrun("tests/dist/bf16_parallel.py", str(ckpt), str(tmp_path), done="BF16_PARALLEL_DONE")
+    result = torch.load(tmp_path / "result.pt", weights_only=False)
+    assert set(result) == {"tp2", "ep2", "dp2"}
+    for case, ranks in result.items():
+        for rank, out in enumerate(ranks):
+            fp32, bf16 = out["fp32"], out["bf16"]
+            where = f"{case} rank {rank}"
+            # Built objects: linear/embedding weights bf16, routers (weight) float32; the local
+            # spec's torch RMSNorm keeps its weight float32 (megatron-core's WrappedTorchNorm
+            # takes no dtype); main parameters float32; fp32 run fully float32.
+            for name, dtype in bf16["dtypes"].items():
+                if "router" in name:
+                    assert dtype == "torch.float32", (where, name)
+                elif name.endswith("weight") and "norm" not in name:
+                    assert dtype == "torch.bfloat16", (where, name)
+            assert set(fp32["dtypes"].values()) == {"torch.float32"}, where
+            for mains in bf16["main"].values():
+                assert set(mains) == {"torch.float32"}, (where, bf16["main"])
+            # The distributed optimizer is on exactly when a DP size (dense or expert) is > 1.
+            assert bf16["distributed_optimizer"] == (bf16["dp"] > 1 or bf16["edp"] > 1), where
+            assert bf16["metrics"]["topk_match_r3"] == 1.0, where
+            assert fp32["metrics"]["topk_match_r3"] == 1.0, where
+            for when, mean_tol, max_tol in (
+                ("before", BEFORE_MEAN, BEFORE_MAX),
+                ("after", AFTER_MEAN, AFTER_MAX),
+            ):
+                for a, b, mask in zip(fp32[when], bf16[when], fp32["masks"], strict=True):
+                    diff = (a - b).abs() * mask
+                    assert float(diff.sum() / mask.sum()) <= mean_tol, (where, when)
+                    assert float(diff.max()) <= max_tol, (where, when)
+                    assert float(diff.max()) > 0, (where, when)  # bf16 really ran
+    assert result["tp2"][0]["bf16"]["dp"] == 1
+    assert (result["ep2"][0]["bf16"]["dp"], result["ep2"][0]["bf16"]["edp"]) == (2, 1)
+    assert (result["dp2"][0]["bf16"]["dp"], result["dp2"][0]["bf16"]["edp"]) == (2, 2)
+
+
+def test_optimizer_layout_defaults_and_refusals():
+    cuda = resolve_optimizer_layout(TrainConfig(), device_type="cuda", dp=1, edp=1)
+    assert (cuda.params_dtype, cuda.use_distributed_optimizer) == ("bf16", False)
+    cpu = resolve_optimizer_layout(TrainConfig(), device_type="cpu", dp=1, edp=2)
+    assert (cpu.params_dtype, cpu.use_distributed_optimizer) == ("fp32", True)
+    forced = TrainConfig(use_distributed_optimizer=False)
+    assert not resolve_optimizer_layout(
+        forced, device_type="cuda", dp=8, edp=1
+    ).use_distributed_optimizer
+    with pytest.raises(ValueError, match="train.optimizer_cpu_offload"):
+        resolve_optimizer_layout(
+            TrainConfig(optimizer_cpu_offload=True), device_type="cuda", dp=1, edp=1
+        )
+    with pytest.raises(ValueError, match="train.use_distributed_optimizer"):
+        TrainConfig(use_precision_aware_optimizer=True, use_distributed_optimizer=False)
+    with pytest.raises(ValueError, match="train.params_dtype"):
+        TrainConfig(params_dtype="fp16")
+    with pytest.raises(ValueError, match="train.recompute_granularity"):
+        TrainConfig(recompute_granularity="block")
+
+
+def test_bytes_per_param_by_layout():
+    def layout(**kw):
+        return resolve_optimizer_layout(TrainConfig(**kw), device_type="cuda", dp=2, edp=2)
+
+    assert bytes_per_param(layout(), 2) == (2.0, 4.0, 6.0)  # 2 + 4 + (4 + 8) / 2 = 12
+    assert bytes_per_param(layout(use_distributed_optimizer=False), 2) == (2.0, 4.0, 12.0)
+    assert bytes_per_param(layout(params_dtype="fp32", use_distributed_optimizer=False), 2) == (
+        4.0,
+        4.0,
+        8.0,
+    )
+    assert bytes_per_param(layout(optimizer_cpu_offload=True), 2) == (2.0, 4.0, 0.0)
+    assert bytes_per_param(layout(use_precision_aware_optimizer=True), 2) == (2.0, 4.0, 4.0)
+    assert bytes_per_param(layout(), 2, fp32_param=True) == (4.0, 4.0, 4.0)  # router: 8 / 2
