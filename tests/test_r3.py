@@ -293,6 +293,11 @@ def test_dense_layers_rows_of_expert_zero_are_not_checked(megatron_world):
         check_sample_routes(samples[1], 4, 2, 8, moe_layers=[2, 4])
     with pytest.raises(ValueError, match=r"moe_layers \[5\] outside \[1, num_layers=4\]"):
         check_sample_routes(samples[0], 4, 2, 8, moe_layers=[2, 5])
+    # A router on a layer the config calls dense would read a dense layer's rows: refused.
+    model = build_model(HF4)
+    model.config.moe_layer_freq = [0, 1, 1, 1]  # the routers share this config object
+    with pytest.raises(ValueError, match=r"routers on layers \[1\], which moe_layer_freq"):
+        RoutingReplay(model)
 
 
 def test_qwen3_moe_layer_pattern_errors():

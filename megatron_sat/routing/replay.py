@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megatron_sat.routing.slicing import router_targets
+from megatron_sat.routing.slicing import moe_layer_numbers, router_targets
 
 
 def _mtp_module_ids(model: torch.nn.Module) -> set[int]:
@@ -252,8 +252,9 @@ class RoutingReplay:
             DDP-wrapped or not.
 
     Raises:
-        ValueError: when a router cannot replay exactly (:func:`check_replayable`) or two
-            routers claim one layer number.
+        ValueError: when a router cannot replay exactly (:func:`check_replayable`), two
+            routers claim one layer number, or a router sits on a layer that the config's
+            ``moe_layer_freq`` makes dense.
     """
 
     def __init__(self, model: torch.nn.Module | Sequence[torch.nn.Module]) -> None:
@@ -275,6 +276,15 @@ class RoutingReplay:
             check_replayable(layer, router)
         self.layers: list[int] = sorted(self.routers)
         config = next(iter(self.routers.values())).config if self.routers else None
+        if config is not None:
+            # Routes are cut by layer number: a router on a layer the config calls dense would
+            # read a dense layer's rows (SGLang's expert 0).
+            not_moe = sorted(set(self.layers) - set(moe_layer_numbers(config)))
+            if not_moe:
+                raise ValueError(
+                    f"routers on layers {not_moe}, which moe_layer_freq "
+                    f"{config.moe_layer_freq!r} makes dense"
+                )
         self.num_layers = config.num_layers if config else None
         self.sequence_parallel = bool(config and config.sequence_parallel)
         tp_ready = parallel_state.model_parallel_is_initialized()
@@ -359,9 +369,10 @@ class RoutingReplay:
             ValueError: on a missing or extra layer for a micro-batch (naming both), a target
                 whose shape, dtype or ids do not fit its router, or a router call whose token
                 count differs from its target's.
-            RuntimeError: when a router runs outside :meth:`micro_batch`, a recompute finds no
-                forward (or another micro-batch's) at the head of the FIFO, or a layer was
-                recomputed for some forwards but not all.
+            RuntimeError: when a router runs outside :meth:`micro_batch`, a recompute runs
+                outside a tagged decoder block's backward or finds no checkpointed forward of
+                its micro-batch and layer, two micro-batches' backwards interleave in one
+                block, or a layer was recomputed for some forwards but not all.
         """
         for mb, mb_routes in routes.items():
             missing = sorted(set(self.layers) - set(mb_routes.targets))
