@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from megatron_sat.checkpoint.tiny_models import make_tiny_hf_model
@@ -52,6 +53,25 @@ def arith_data(tmp_path_factory) -> Path:
     for name, rows in (("train", train), ("test", test)):
         (tmp / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return tmp
+
+
+@pytest.mark.parametrize("model", sorted(DENSE_MODELS))
+def test_embedded_engine_fills_dense_rows_with_expert_zero(tmp_path, model):
+    # As SGLang's zero-initialised capture buffer: the dense layer's rows are [0] * top_k, the
+    # MoE layer's rows are its router's distinct choices.
+    from megatron_sat.rollout.client import SamplingParams
+    from megatron_sat.rollout.embedded.engine import EngineRequest, GenerationEngine
+
+    architecture, overrides = DENSE_MODELS[model]
+    engine = GenerationEngine(str(dense_checkpoint(tmp_path, architecture, **overrides)), seed=0)
+    params = SamplingParams(temperature=1.0, max_new_tokens=3)
+    (out,) = engine.generate([EngineRequest([5, 6, 7, 8], params)])
+    routed = out.routed_experts
+    assert routed.shape == (4 + len(out.output_ids) - 1, 2, engine.top_k)
+    assert (routed[:, 0] == 0).all()
+    ordered = np.sort(routed[:, 1], axis=-1)
+    assert (ordered[:, 1:] != ordered[:, :-1]).all()
+    assert ((0 <= routed[:, 1]) & (routed[:, 1] < engine.num_experts)).all()
 
 
 @pytest.mark.slow
