@@ -27,7 +27,7 @@ from megatron_sat.objectives import (
     recomputed_old_when_stale,
     sat_abs_staleness,
 )
-from megatron_sat.platform import PARAMS_DTYPES, get_device, to_device
+from megatron_sat.platform import PARAMS_DTYPES, get_device, have_transformer_engine, to_device
 from megatron_sat.rollout.types import Sample, staleness
 from megatron_sat.routing.replay import RoutingReplay, capture_routing
 from megatron_sat.routing.slicing import moe_layer_numbers, router_token_order
@@ -48,6 +48,7 @@ from megatron_sat.training.micro_batches import (
     token_budget_micro_batches,
 )
 from megatron_sat.training.optimizer_layout import resolve_optimizer_layout
+from megatron_sat.training.packing import PackedMicroBatch, dense_packing_rows, pack_rows
 
 
 def _host_copy(tensor: torch.Tensor, pin: bool) -> torch.Tensor:
@@ -222,8 +223,8 @@ class PolicyTrainer:
             ),
             [self.model],
         )
-        self.routing_shape = (
         realign_param_group_index_map(self.optimizer)  # bf16 + fp32 routers in one group
+        self.routing_shape = (
             self.config.num_layers,
             self.config.moe_router_topk,
             self.config.num_moe_experts,
@@ -261,26 +262,31 @@ class PolicyTrainer:
         advantages: torch.Tensor,
         with_routes: bool,
         rows: list[list[int]] | None = None,
-    ) -> list[MicroBatch]:
+    ) -> list[MicroBatch | PackedMicroBatch]:
         """Split ``samples`` into micro-batches (``rows``, default ``micro_batch_rows``), each
         padded to a sequence length divisible by the TP size under sequence parallelism
         (padding has no active token and causal attention, so it changes no log-prob of a real
-        token)."""
+        token), or, without transformer-engine, packed with a block mask where that is cheaper
+        (``training.packing.dense_packing_rows``). Either way the losses' per-sample layout
+        holds the samples in the order of ``rows``."""
         rows = self.micro_batch_rows(samples) if rows is None else rows
-        return [
-            to_device(
-                build_micro_batch(
-                    [samples[i] for i in positions],
-                    advantages[positions],
-                    pad_token_id=self.pad_token_id,
-                    routing_shape=self.routing_shape if with_routes else None,
-                    pad_to_multiple_of=self.pad_to_multiple_of,
-                    moe_layers=self.moe_layers,
-                ),
-                self.device,
-            )
-            for positions in rows
-        ]
+        have_te = have_transformer_engine()
+        kwargs = dict(
+            pad_token_id=self.pad_token_id,
+            routing_shape=self.routing_shape if with_routes else None,
+            pad_to_multiple_of=self.pad_to_multiple_of,
+            moe_layers=self.moe_layers,
+        )
+        out: list[MicroBatch | PackedMicroBatch] = []
+        for positions in rows:
+            chosen = [samples[i] for i in positions]
+            lengths = [s.num_tokens for s in chosen]
+            packed = dense_packing_rows(lengths, self.pad_to_multiple_of, have_te=have_te)
+            if packed is None:
+                out.append(build_micro_batch(chosen, advantages[positions], **kwargs))
+            else:
+                out.append(pack_rows(chosen, advantages[positions], packed, **kwargs))
+        return [to_device(mb, self.device) for mb in out]
 
     def _filler_micro_batch(self, with_routes: bool) -> MicroBatch:
         """A one-row micro-batch without any active token (one padding token as its prompt,
