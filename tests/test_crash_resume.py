@@ -236,3 +236,128 @@ def test_train_dry_run_refuses_an_overlong_prompt_naming_the_row(tmp_path, arith
     assert bad.returncode == 1
     assert f"{long} row 3:" in bad.stderr
     assert "rollout.max_new_tokens" in bad.stderr and "context length 128" in bad.stderr
+
+
+# -- seeded sampling and the whole run ---------------------------------------------------------
+
+
+def test_seeded_requests_ignore_the_engine_state_and_the_batch(tiny_checkpoint):
+    from megatron_sat.rollout.client import SamplingParams
+    from megatron_sat.rollout.embedded.engine import EngineRequest, GenerationEngine
+    from megatron_sat.rollout.seeds import request_seed
+
+    def params(seed):
+        return SamplingParams(temperature=1.0, max_new_tokens=12, sampling_seed=seed)
+
+    prompt = [5, 6, 7, 8]
+    seed = request_seed(7, 3, 11, 1)
+    a = GenerationEngine(str(tiny_checkpoint), seed=0)
+    b = GenerationEngine(str(tiny_checkpoint), seed=12345)  # a "restarted" server
+    alone = a.generate([EngineRequest(prompt, params(seed))])[0]
+    torch.multinomial(torch.ones(9), 3, generator=b.generator)  # another generator state
+    batched = b.generate(
+        [
+            EngineRequest([9, 9], params(None)),
+            EngineRequest(prompt, params(seed)),
+            EngineRequest([4, 3, 2, 1, 5], params(request_seed(7, 3, 12, 0))),
+        ]
+    )[1]
+    assert batched.output_ids == alone.output_ids
+    assert batched.output_token_logprobs == pytest.approx(alone.output_token_logprobs, abs=1e-5)
+    # Resuming from the partial output continues the same draws (positions carry on).
+    head = alone.output_ids[:5]
+    if len(alone.output_ids) > 5:
+        rest = a.generate(
+            [
+                EngineRequest(
+                    prompt + head,
+                    SamplingParams(temperature=1.0, max_new_tokens=7, sampling_seed=seed),
+                )
+            ]
+        )[0]
+        assert head + rest.output_ids == alone.output_ids
+    others = [
+        a.generate([EngineRequest(prompt, params(request_seed(7, 3, 11, k)))])[0].output_ids
+        for k in range(2, 6)
+    ]
+    assert any(o != alone.output_ids for o in others)  # the seed does decide the draw
+    assert request_seed(7, 3, 11, 1) != request_seed(7, 3, 11, 1, "eval")
+
+
+def _run_cmd(run_dir: Path, data: Path, checkpoint: Path, *extra: str) -> list[str]:
+    return [
+        sys.executable, "-m", "megatron_sat.cli", "train",
+        f"init_checkpoint={checkpoint}", f"run_dir={run_dir}",
+        f"data.train_path={data / 'train.jsonl'}", f"data.eval_path={data / 'test.jsonl'}",
+        "data.num_eval_prompts=4", "rollout.prompts_per_step=4", "rollout.group_size=4",
+        "rollout.max_new_tokens=4", "rollout.eval_samples_per_prompt=2", "train.seed=5",
+        "train.num_steps=6", "train.save_every=2", "train.eval_every=3",
+        "train.micro_batch_size=16", *extra,
+    ]  # fmt: skip
+
+
+TIMING = ("time/", "per_s", "utilisation")
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if not any(t in k for t in TIMING)} for r in rows]
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if text in cmdline and int(pid) != os.getpid() and _alive(int(pid)):
+            found.append(int(pid))
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("mode", "kills"),
+    [("sync", ("renamed:2", "committed:4")), ("fixed_lag", ("written:4",))],
+)
+def test_run_killed_at_commit_points_resumes_bit_identical(tmp_path, arith, mode, kills):
+    """SIGKILL between the commit's steps (before the first commit: the run starts over;
+    after one: it resumes from it; fixed lag: the batches generated ahead are restored)."""
+    from safetensors.torch import load_file
+
+    checkpoint = make_tiny_checkpoint(tmp_path / "init", seed=2)
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
+    mode_args = [f"rollout.mode={mode}"] + (["rollout.lag=1"] if mode != "sync" else [])
+    straight = subprocess.run(
+        _run_cmd(tmp_path / "a", arith, checkpoint, *mode_args),
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    run_b = tmp_path / "b"
+    for crash_at in kills:
+        killed = subprocess.run(
+            _run_cmd(run_b, arith, checkpoint, "train.resume=true", *mode_args),
+            env={**env, "MEGATRON_SAT_CRASH_AT": crash_at},
+            capture_output=True,
+            text=True,
+        )
+        assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+        deadline = time.time() + 15  # the embedded server polls its parent every 2 s
+        while time.time() < deadline and _processes_mentioning(str(checkpoint)):
+            time.sleep(0.2)
+        assert _processes_mentioning(str(checkpoint)) == []
+    resumed = subprocess.run(
+        _run_cmd(run_b, arith, checkpoint, "train.resume=true", *mode_args),
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert _metrics(run_b) == _metrics(tmp_path / "a")
+    want = load_file(tmp_path / "a" / "checkpoint" / "model.safetensors")
+    got = load_file(run_b / "checkpoint" / "model.safetensors")
+    assert want.keys() == got.keys()
+    assert all(torch.equal(want[k], got[k]) for k in want)

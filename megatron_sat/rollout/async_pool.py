@@ -397,6 +397,8 @@ class AsyncRolloutPool:
             for b, samples in enumerate(state["batches"]):
                 groups: dict[int, list] = {}
                 for sample in samples:
+                    # A run checkpoint stores dataclasses as dicts (RunState goes through asdict).
+                    sample = sample if isinstance(sample, Sample) else Sample(**sample)
                     groups.setdefault(sample.group_index, []).append(sample)
                 self._done[b], self._pending[b], self._replacements[b] = groups, 0, 0
                 self._first_draw[b] = 0
