@@ -8,11 +8,14 @@ model card (30.5B parameters, 29.9B without embeddings).
 The per-rank estimate follows megatron-core's sharding: embedding and output layer split over
 TP (first / last pipeline stage), attention and dense or shared-expert MLP weights split over
 TP, routed experts split over EP x expert-TP, norms and routers replicated; ``L / PP`` layers
-per stage. Bytes per parameter are those of the trainer's Megatron optimizer without the
-distributed optimizer (so nothing is sharded over DP): bf16 parameters + fp32 gradients (DDP
-``grad_reduce_in_fp32``) + fp32 main parameters + Adam's two fp32 moments = 18 bytes; fp32
-parameters: 4 + 4 + 8 = 16 bytes. Activations, the CUDA context and allocator fragmentation
-are not estimated: the headroom printed by the dry-run is what is left for them.
+per stage. Bytes per parameter are those of the optimizer the trainer builds from the same
+``train.*`` settings (``training.optimizer_layout``: parameter dtype, distributed optimizer,
+CPU offload, precision-aware moments): bf16 parameters + fp32 gradients (DDP
+``grad_reduce_in_fp32``) + (fp32 main parameters + Adam's two fp32 moments) / DP shards under
+the distributed optimizer, dense parameters sharded over DP x CP and experts over expert DP
+(18 bytes without it, 12 at DP 2); fp32 parameters 4 + 4 + 8 / shards. Activations, the CUDA
+context and allocator fragmentation are not estimated: the headroom printed by the dry-run is
+what is left for them.
 """
 
 from __future__ import annotations
@@ -21,10 +24,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-GIB = 2**30
+from megatron_sat.training.optimizer_layout import OptimizerLayout, bytes_per_param
 
-# bytes per parameter: (parameter, gradient, optimizer states incl. main params)
-BYTES_PER_PARAM = {"bf16": (2, 4, 12), "fp32": (4, 4, 8)}
+GIB = 2**30
 
 
 @dataclass(frozen=True)
@@ -223,10 +225,15 @@ def estimate_memory(
     pp: int,
     ep: int,
     etp: int,
-    params_dtype: str,
+    layout: OptimizerLayout,
+    dense_shards: int,
+    expert_shards: int,
     server_tp: int,
 ) -> MemoryEstimate:
-    """Static bytes per device for ``count`` under the given parallel sizes.
+    """Static bytes per device for ``count`` under the given parallel sizes and the trainer's
+    optimizer ``layout`` (``training.optimizer_layout.resolve_optimizer_layout``);
+    ``dense_shards`` = DP x CP and ``expert_shards`` = expert DP (the distributed optimizer's
+    shard counts).
 
     Raises:
         ValueError: when the layer count is not divisible by ``pp`` (naming the parallel field).
@@ -237,31 +244,28 @@ def estimate_memory(
             f"parallel.pipeline_model_parallel_size={pp} does not divide the {num_layers} layers"
         )
     per_stage = num_layers // pp
-    stage_params = []
+    stages = []  # (dense parameters, expert parameters) per stage
     for stage in range(pp):
         layers = range(stage * per_stage, (stage + 1) * per_stage)
-        n = sum(
-            count.per_layer_tp[i] // tp
-            + count.per_layer_replicated[i]
-            + count.per_layer_experts[i] // (ep * etp)
-            for i in layers
-        )
+        dense = sum(count.per_layer_tp[i] // tp + count.per_layer_replicated[i] for i in layers)
+        experts = sum(count.per_layer_experts[i] // (ep * etp) for i in layers)
         tied = count.vocab == count.embedding
         if stage == 0:
-            n += count.embedding // tp
+            dense += count.embedding // tp
         if stage == pp - 1:
-            n += count.final_norm
+            dense += count.final_norm
             if not tied:
-                n += (count.vocab - count.embedding) // tp
+                dense += (count.vocab - count.embedding) // tp
             elif pp > 1:  # megatron keeps a copy of tied weights on the last stage
-                n += count.embedding // tp
-        stage_params.append(n)
-    params = max(stage_params)
-    p, g, o = BYTES_PER_PARAM[params_dtype]
+                dense += count.embedding // tp
+        stages.append((dense, experts))
+    dense, experts = max(stages, key=sum)
+    pd, gd, od = bytes_per_param(layout, dense_shards)
+    pe, ge, oe = bytes_per_param(layout, expert_shards)
     return MemoryEstimate(
-        params_per_rank=params,
-        param_bytes=params * p,
-        grad_bytes=params * g,
-        optimizer_bytes=params * o,
+        params_per_rank=dense + experts,
+        param_bytes=int(dense * pd + experts * pe),
+        grad_bytes=int(dense * gd + experts * ge),
+        optimizer_bytes=int(dense * od + experts * oe),
         server_weight_bytes_per_gpu=count.total * 2 // server_tp,
     )

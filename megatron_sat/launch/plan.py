@@ -24,6 +24,7 @@ from megatron_sat.launch.memory import (
     count_parameters,
     estimate_memory,
 )
+from megatron_sat.training.optimizer_layout import OptimizerLayout, resolve_optimizer_layout
 
 ORDER = ("tp", "cp", "ep", "dp", "pp")
 
@@ -104,6 +105,8 @@ class LaunchPlan:
     memory: MemoryEstimate
     notes: list[str]
     cp: int = 1
+    optimizer_layout: OptimizerLayout | None = None
+    memory_offload_toggled: MemoryEstimate | None = None
 
     @property
     def trainer_nodes(self) -> list[int]:
@@ -274,15 +277,51 @@ def resolve_plan(cfg: Any, hf_config: dict[str, Any] | None = None) -> LaunchPla
             f"(rollout.prompts_per_step={ro.prompts_per_step} x rollout.group_size="
             f"{ro.group_size}) are not divisible by DP {dp} x micro-batch {mbs}"
         )
-    memory = estimate_memory(
-        params,
-        tp=tp,
-        pp=pp,
-        ep=ep,
-        etp=etp,
-        params_dtype=launch.params_dtype,
-        server_tp=launch.rollout_server_tp,
-    )
+    # The trainer's own rule (training.optimizer_layout), from the same train.* fields.
+    try:
+        layout = resolve_optimizer_layout(cfg.train, device_type=launch.device, dp=dp * cp, edp=edp)
+    except ValueError as e:
+        errors.append(str(e))
+        layout = resolve_optimizer_layout(
+            dataclasses.replace(
+                cfg.train, optimizer_cpu_offload=False, use_precision_aware_optimizer=False
+            ),
+            device_type=launch.device,
+            dp=dp * cp,
+            edp=edp,
+        )
+    if launch.params_dtype != layout.params_dtype:
+        errors.append(
+            f"launch.params_dtype={launch.params_dtype!r} but the trainer will build "
+            f"train.params_dtype={layout.params_dtype!r} on device {launch.device} "
+            f"(train.params_dtype={cfg.train.params_dtype!r}): set them alike"
+        )
+
+    def memory_for(opt_layout: OptimizerLayout) -> MemoryEstimate:
+        return estimate_memory(
+            params,
+            tp=tp,
+            pp=pp,
+            ep=ep,
+            etp=etp,
+            layout=opt_layout,
+            dense_shards=dp * cp,
+            expert_shards=edp,
+            server_tp=launch.rollout_server_tp,
+        )
+
+    memory = memory_for(layout)
+    # The other side of train.optimizer_cpu_offload (offload needs the distributed optimizer,
+    # which then also runs at DP 1): printed by the dry-run, named when the layout cannot fit.
+    toggled = None
+    if layout.params_dtype == "bf16":
+        toggled = memory_for(
+            dataclasses.replace(
+                layout,
+                use_distributed_optimizer=True,
+                optimizer_cpu_offload=not layout.optimizer_cpu_offload,
+            )
+        )
     limit = launch.gpu_memory_gib * GIB
     if launch.device == "cuda":
         if memory.trainer_bytes > limit:
@@ -290,6 +329,13 @@ def resolve_plan(cfg: Any, hf_config: dict[str, Any] | None = None) -> LaunchPla
                 f"launch.gpu_memory_gib={launch.gpu_memory_gib}: a trainer rank needs "
                 f"{memory.trainer_bytes / GIB:.1f} GiB for parameters, gradients and optimizer "
                 f"states alone ({memory.params_per_rank / 1e9:.2f}B parameters); raise TP/EP/PP"
+                + (
+                    ", or set train.optimizer_cpu_offload=true and "
+                    "train.use_distributed_optimizer=true "
+                    f"({toggled.trainer_bytes / GIB:.1f} GiB)"
+                    if toggled is not None and not layout.optimizer_cpu_offload
+                    else ""
+                )
             )
         if servers and memory.server_weight_bytes_per_gpu > limit:
             errors.append(
@@ -343,6 +389,8 @@ def resolve_plan(cfg: Any, hf_config: dict[str, Any] | None = None) -> LaunchPla
         memory=memory,
         notes=notes,
         cp=cp,
+        optimizer_layout=layout,
+        memory_offload_toggled=toggled,
     )
 
 
@@ -548,14 +596,32 @@ def format_plan(plan: LaunchPlan, max_rows: int = 64) -> str:
             else "token-budget micro-batches (count set by the lengths)"
         )
     )
-    headroom = la.gpu_memory_gib - m.trainer_bytes / GIB
-    lines.append(
-        f"memory per trainer {'GPU' if la.device == 'cuda' else 'process'} ({la.params_dtype} "
-        f"params): {m.params_per_rank:,} parameters -> params {m.param_bytes / GIB:.1f} GiB + "
-        f"grads {m.grad_bytes / GIB:.1f} GiB + optimizer {m.optimizer_bytes / GIB:.1f} GiB = "
-        f"{m.trainer_bytes / GIB:.1f} GiB of {la.gpu_memory_gib:g} GiB (headroom "
-        f"{headroom:.1f} GiB for activations)"
+    ol = plan.optimizer_layout
+    how = (
+        f"{ol.params_dtype} params, "
+        + ("distributed optimizer" if ol.use_distributed_optimizer else "no distributed optimizer")
+        + (", bf16 moments" if ol.use_precision_aware_optimizer else "")
     )
+    offload = "optimizer offloaded to CPU" if ol.optimizer_cpu_offload else "no offload"
+    alternative = (
+        "train.optimizer_cpu_offload=false"
+        if ol.optimizer_cpu_offload
+        else "train.optimizer_cpu_offload=true with the distributed optimizer"
+    )
+    for label, est in (
+        (f"{how}, {offload}: as built", m),
+        (f"alternative: {alternative}", plan.memory_offload_toggled),
+    ):
+        if est is None:
+            continue
+        headroom = la.gpu_memory_gib - est.trainer_bytes / GIB
+        lines.append(
+            f"memory per trainer {'GPU' if la.device == 'cuda' else 'process'} ({label}): "
+            f"{est.params_per_rank:,} parameters -> params {est.param_bytes / GIB:.1f} GiB + "
+            f"grads {est.grad_bytes / GIB:.1f} GiB + optimizer "
+            f"{est.optimizer_bytes / GIB:.1f} GiB = {est.trainer_bytes / GIB:.1f} GiB of "
+            f"{la.gpu_memory_gib:g} GiB (headroom {headroom:.1f} GiB for activations)"
+        )
     if plan.servers:
         lines.append(
             f"memory per rollout device: bf16 weights {m.server_weight_bytes_per_gpu / GIB:.1f}"
