@@ -83,6 +83,22 @@ def test_m2po_mask_edges():
     assert keep.all()
 
 
+def test_m2po_mask_makes_every_tensor_on_its_input_device():
+    # A tensor made without device= lands on the default device, not the batch's (on a GPU
+    # trainer torch.cat then refuses a CPU and a CUDA tensor). A meta default device stands in
+    # for "not the input's device" on a CPU-only machine.
+    mask = torch.ones(1, 3, dtype=torch.bool)
+    adv = torch.ones(1, 3, dtype=F64)
+    log_ratio = torch.tensor([[1.0, 2.0, -3.0]], dtype=F64)
+    torch.set_default_device("meta")
+    try:
+        keep = m2po_mask(log_ratio, adv, mask, 0.04)
+    finally:
+        torch.set_default_device(None)
+    assert keep.device.type == "cpu"
+    assert keep.tolist() == [[False, False, True]]
+
+
 def test_ess_by_hand():
     # w = [1, 2] (log w = [0, log 2]): ess = (1 + 2)^2 / (2 (1 + 4)) = 0.9; padded token ignored
     log_pi = torch.tensor([[0.0, math.log(2.0), 7.0]], dtype=F64)

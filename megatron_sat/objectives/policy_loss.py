@@ -519,7 +519,8 @@ def m2po_mask(log_ratio: Tensor, advantages: Tensor, mask: Tensor, tau: float) -
         # remaining mean after dropping the k largest, k = 0..n-1 (k = n leaves none: mean 0)
         suffix = values.flip(0).cumsum(0).flip(0)
         remaining = torch.arange(n, 0, -1, device=m2.device, dtype=m2.dtype)
-        ok = torch.cat([suffix / remaining <= tau, torch.ones(1, dtype=torch.bool)])
+        done = torch.ones(1, dtype=torch.bool, device=m2.device)  # m2's device (CUDA)
+        ok = torch.cat([suffix / remaining <= tau, done])
         k = int(torch.nonzero(ok)[0])
         dropped = torch.zeros(n, dtype=torch.bool, device=m2.device)
         dropped[order[:k]] = True
