@@ -54,6 +54,9 @@ class RolloutConfig:
     """Rollout generation.
 
     Attributes:
+        engine: the rollout engine behind ``server_urls``: ``sglang`` (SGLang's native API; also
+            the embedded CPU servers) or ``vllm`` (vLLM's own routes and weight-transfer API,
+            ``megatron_sat.rollout.vllm``; servers given by URL only).
         server_urls: URLs of running SGLang servers; empty = start embedded CPU servers.
         server_key_file: YAML with ``api_key`` / ``admin_api_key`` of the servers of
             ``server_urls`` (the file their ``--config`` reads; mode 0600), sent as SGLang
@@ -83,6 +86,7 @@ class RolloutConfig:
             groups are kept whatever their rewards.
     """
 
+    engine: str = "sglang"
     server_urls: list[str] = field(default_factory=list)
     server_key_file: str | None = None
     num_embedded_servers: int = 1
@@ -116,6 +120,13 @@ class RolloutConfig:
             raise ValueError("rollout.group_size must be >= 2 for group advantages")
         if self.temperature <= 0:
             raise ValueError("rollout.temperature must be > 0 for RL (log-probs of a sampler)")
+        if self.engine not in ("sglang", "vllm"):
+            raise ValueError(f"rollout.engine must be sglang or vllm, got {self.engine!r}")
+        if self.engine == "vllm" and not self.server_urls:
+            raise ValueError(
+                "rollout.engine=vllm needs rollout.server_urls (running vLLM servers; the "
+                "embedded servers speak SGLang's API)"
+            )
         if not self.server_urls:
             _positive("rollout", self, "num_embedded_servers")
         if self.mode not in ("sync", "fixed_lag", "bounded"):

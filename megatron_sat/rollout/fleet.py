@@ -121,6 +121,10 @@ class RolloutFleet:
             one entry per client.
     """
 
+    # The weight push over the live members (a subclass for another engine replaces it:
+    # rollout.vllm.fleet.VLLMFleet).
+    updater_cls: type = WeightUpdater
+
     def __init__(
         self,
         clients: Sequence[SGLangClient],
@@ -374,7 +378,7 @@ class RolloutFleet:
                 f"no live rollout server left (restarts per slot: {self.restarts}, "
                 f"max_restarts={self.config.max_restarts}; URL servers are not restarted)"
             )
-        updater = WeightUpdater(
+        updater = self.updater_cls(
             [self.clients[i] for i in members],
             ranks_per_server=[self._ranks[i] for i in members],
             **self._options,

@@ -99,11 +99,16 @@ def rollout_clients(cfg: RunConfig) -> Iterator[list[SGLangClient]]:
 
 
 def rollout_fleet(cfg: RunConfig) -> RolloutFleet:
-    """The configured servers as a fleet (``rollout.fleet``): the SGLang servers of
-    ``rollout.server_urls`` (reported, never restarted, when they die), else
+    """The configured servers as a fleet (``rollout.fleet``): the SGLang (with
+    ``rollout.engine=vllm``: vLLM, ``rollout.vllm.fleet``) servers of ``rollout.server_urls``
+    (reported, never restarted, when they die), else
     ``rollout.num_embedded_servers`` embedded CPU servers started here (restarted when they
     die). Use it as a context manager: it stops the servers it started."""
     options = sync_options(cfg, len(cfg.rollout.server_urls) or cfg.rollout.num_embedded_servers)
+    if cfg.rollout.engine == "vllm":
+        from megatron_sat.rollout.vllm.fleet import VLLMFleet
+
+        return VLLMFleet.from_urls(cfg.rollout.server_urls, updater_options=options)
     if cfg.rollout.server_urls:
         return RolloutFleet.from_urls(
             cfg.rollout.server_urls, keys=server_keys(cfg), updater_options=options

@@ -36,6 +36,7 @@ old ones under the old version, so they stay paused and ``WeightSyncError`` says
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 import uuid
@@ -101,7 +102,7 @@ class VLLMWeightUpdater:
     Args:
         clients: one client per server.
         master_address: the trainer's address as the servers see it.
-        master_port: the group's TCP port; None lets the OS choose (gloo; nccl needs one).
+        master_port: the group's TCP port; None lets the OS choose.
         group_name: gloo group name; default a fresh ``megatron_sat_vllm_<hex>``.
         backend: "gloo" (CPU, our backend) or "nccl" (GPU, vLLM's).
         bucket_bytes: bucket size limit, bytes.
@@ -137,7 +138,10 @@ class VLLMWeightUpdater:
         if len(self.ranks_per_server) != len(clients) or min(self.ranks_per_server) < 1:
             raise ValueError(f"ranks_per_server {self.ranks_per_server} for {len(clients)} servers")
         if backend == "nccl" and not master_port:
-            raise ValueError("backend nccl needs a master_port (vLLM's rendezvous)")
+            # vLLM's nccl rendezvous (StatelessProcessGroup) needs the port up front.
+            with socket.socket() as sock:
+                sock.bind((master_address, 0))
+                master_port = sock.getsockname()[1]
         self.clients = list(clients)
         self.master_address = master_address
         self.master_port = master_port
