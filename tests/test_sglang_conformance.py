@@ -24,6 +24,7 @@ answers 401 without them and no key reaches its log or a rendered script.
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import json
 import re
@@ -31,6 +32,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 from pathlib import Path
 
 import httpx
@@ -58,6 +60,7 @@ from megatron_sat.rollout.embedded.server import (
     ServerConfig,
     ServerState,
     create_app,
+    parse_args,
 )
 from megatron_sat.rollout.fleet import RolloutFleet
 from megatron_sat.routing.payload import encode_routed_experts
@@ -645,3 +648,46 @@ def test_rendered_scripts_hold_no_key_and_generate_a_private_key_file(tmp_path):
     key_file.chmod(0o644)
     with pytest.raises(ValueError, match="must be 0600"):
         load_server_keys(key_file)
+
+
+def test_generated_keys_survive_sglang_config_merge(monkeypatch, capsys, tmp_path):
+    """SGLang re-parses each ``--config`` entry ``k: v`` as ``--k v`` with its own merger: the
+    rendered key file must spell the flags (``api-key``; ``--api_key`` is unrecognised), and a
+    key from the worst draw of ``token_urlsafe`` (a leading ``-``, which argparse takes for an
+    option) must still parse. The parser registers the flags as SGLang's does (``--api-key``)."""
+    text = (RENDERED / "mpirun.sh").read_text()
+    start = text.index("KEYGEN_PY='") + len("KEYGEN_PY='")
+    code = text[start : text.index("'\n", start)]
+    fake = types.SimpleNamespace(token_urlsafe=lambda n: "-" + "A" * 42)
+    monkeypatch.setitem(sys.modules, "secrets", fake)
+    exec(code, {})
+    yaml_text = capsys.readouterr().out
+    monkeypatch.undo()
+    merger_module = ref.load_module(
+        "srt/utils/server_args_config_parser.py", "_sglang_ref_config_parser"
+    )
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--api-key", type=str, default=None)
+    parser.add_argument("--admin-api-key", type=str, default=None)
+    parser.add_argument("--config", type=str, default=None)
+    config = tmp_path / "keys.yaml"
+    config.write_text(yaml_text)
+    argv = merger_module.ConfigArgumentMerger(parser).merge_config_with_args(
+        ["--config", str(config)]
+    )
+    args = parser.parse_args(argv)
+    assert args.api_key == "sk--" + "A" * 42 and args.admin_api_key == args.api_key
+
+
+@pytest.mark.parametrize("odd", ["yes", "0123", "a #b", "-lead", "x: y", "'q\"", "ü"])
+def test_embedded_key_file_keeps_odd_keys(tmp_path, odd):
+    """Keys that YAML would read as another value (bool, octal, comment, mapping) reach the
+    embedded server's --config parse unchanged, as SGLang's merger would read them."""
+    server = EmbeddedServer(tmp_path / "model", keys=ServerKeys(odd, odd + "2"))
+    key_file = server._key_file()
+    assert oct(key_file.stat().st_mode & 0o777) == "0o600"
+    config = parse_args(["--model-path", "m", "--config", str(key_file)])
+    assert (config.api_key, config.admin_api_key) == (odd, odd + "2")
+    assert load_server_keys(key_file) == ServerKeys(odd, odd + "2")
+    key_file.unlink()
+    server.log_path.unlink()

@@ -62,8 +62,8 @@ stop_servers() {  # only the processes this script started, by pid
 trap stop_servers EXIT
 
 KEYGEN_PY='import secrets
-for name in ("api_key", "admin_api_key"):
-    print(name + ": " + secrets.token_urlsafe(32))'
+for name in ("api-key", "admin-api-key"):
+    print(name + ": sk-" + secrets.token_urlsafe(32))'
 REDACT_PY='import sys
 keys = [line.split(":", 1)[1].strip() for line in open(sys.argv[1]) if ":" in line]
 for line in sys.stdin:

@@ -25,6 +25,11 @@ read it through SGLang's ``--config`` (so no key is on a command line), the trai
 on exit. SGLang 0.5.23 logs its resolved ``server_args`` at start-up with the keys in clear
 (``entrypoints/engine.py``, only watermark secrets are redacted), so each server's output
 passes through a filter that replaces the keys by ``<redacted>`` before it reaches its log.
+SGLang 0.5.23 turns each ``--config`` entry ``k: v`` back into the arguments ``--k v``
+(``utils/server_args_config_parser.py``), so the file's keys are spelled as the flags
+(``api-key``, ``admin-api-key``: ``--api_key`` is not a flag of its parser), and each key starts
+with ``sk-`` (argparse reads a value that starts with ``-``, 1 in 64 ``token_urlsafe`` draws, as
+an option). Either way that server would not start.
 """
 
 from __future__ import annotations
@@ -68,8 +73,8 @@ trap stop_servers EXIT
 
 _KEYS_FUNCTION = """\
 KEYGEN_PY='import secrets
-for name in ("api_key", "admin_api_key"):
-    print(name + ": " + secrets.token_urlsafe(32))'
+for name in ("api-key", "admin-api-key"):
+    print(name + ": sk-" + secrets.token_urlsafe(32))'
 REDACT_PY='import sys
 keys = [line.split(":", 1)[1].strip() for line in open(sys.argv[1]) if ":" in line]
 for line in sys.stdin:

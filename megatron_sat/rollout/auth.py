@@ -140,8 +140,9 @@ class ServerKeys:
 
 
 def load_server_keys(path: str | os.PathLike) -> ServerKeys:
-    """Read a key file: YAML with ``api_key`` and/or ``admin_api_key`` (the file SGLang's
-    ``--config`` reads), readable by its owner only.
+    """Read a key file: YAML with ``api-key`` and/or ``admin-api-key`` (the file SGLang's
+    ``--config`` reads, which needs the flags' spelling; ``api_key`` is accepted here too),
+    readable by its owner only.
 
     Raises:
         ValueError: naming the file when group or others may read it, when it has other keys,
@@ -153,8 +154,12 @@ def load_server_keys(path: str | os.PathLike) -> ServerKeys:
     if mode & (stat.S_IRWXG | stat.S_IRWXO):
         raise ValueError(f"server key file {p} has mode {oct(mode & 0o777)}; it must be 0600")
     data = yaml.safe_load(p.read_text()) or {}
-    if not isinstance(data, dict) or set(data) - {"api_key", "admin_api_key"}:
-        raise ValueError(f"server key file {p}: only api_key and admin_api_key are allowed")
+    if not isinstance(data, dict):
+        raise ValueError(f"server key file {p}: a mapping of api-key / admin-api-key expected")
+    # SGLang's --config takes the flags' spelling (api-key); the dest spelling is read too.
+    data = {str(k).replace("-", "_"): v for k, v in data.items()}
+    if set(data) - {"api_key", "admin_api_key"}:
+        raise ValueError(f"server key file {p}: only api-key and admin-api-key are allowed")
     for name, value in data.items():
         if not isinstance(value, str) or not value:
             raise ValueError(f"server key file {p}: {name} must be a non-empty string")

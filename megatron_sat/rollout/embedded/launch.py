@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import yaml
 
 from megatron_sat.rollout.auth import ServerKeys
 from megatron_sat.rollout.client import SGLangClient
@@ -114,11 +115,12 @@ class EmbeddedServer:
     def _key_file(self) -> Path:
         """The keys as SGLang's ``--config`` YAML, created with mode 0600."""
         path = self.log_path.with_suffix(".keys.yaml")
-        keys = {
-            "api_key": self.config.keys.api_key,
-            "admin_api_key": self.config.keys.admin_api_key,
+        keys = {  # the flags' spelling, as SGLang's --config needs
+            "api-key": self.config.keys.api_key,
+            "admin-api-key": self.config.keys.admin_api_key,
         }
-        text = "".join(f"{k}: {v}\n" for k, v in keys.items() if v is not None)
+        # safe_dump quotes a key YAML would otherwise read as another value ("yes", "0123", "a #b")
+        text = yaml.safe_dump({k: v for k, v in keys.items() if v is not None})
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(text)

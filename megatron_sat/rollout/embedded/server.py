@@ -700,6 +700,8 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
     if a.config is not None:
         with open(a.config) as f:
             extra = yaml.safe_load(f) or {}
+        # SGLang reads a --config key as the flag of that spelling (api-key); dest spelling too
+        extra = {str(k).replace("-", "_"): v for k, v in extra.items()}
         unknown = set(extra) - {"api_key", "admin_api_key"}
         if unknown:
             raise ValueError(f"--config {a.config}: unsupported keys {sorted(unknown)}")
