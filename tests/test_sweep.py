@@ -128,3 +128,28 @@ def test_tiny_sweep_end_to_end_report_and_rerun_skips(tmp_path, tiny_checkpoint,
     (grid.cells[1].run_dir / "summary.json").unlink()
     assert main(["sweep", "--grid", grid_path, "--dry-run"]) == 0
     assert capsys.readouterr().out.splitlines()[1].split("\t")[:2] == ["1", "todo"]
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda g: g["rows"][0].update(id=".."), "plain directory name"),
+        (lambda g: g["rows"][0].update(id="."), "plain directory name"),
+        (lambda g: g.update(lag_overrides=["rollout.lag={lag}", "x={mode}"]), "only {lag}"),
+        (lambda g: g.update(lag_overrides=["rollout.lag={}"]), "only {lag}"),
+    ],
+)
+def test_grid_refuses_hostile_entries(tmp_path, tiny_checkpoint, edit, message):
+    # ".." put a cell's run directory (which run_sweep may rmtree) outside output_dir; a brace
+    # other than {lag} raised a bare KeyError / IndexError from str.format
+    grid = yaml.safe_load(open(_grid(tmp_path, tiny_checkpoint)))
+    edit(grid)
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(grid))
+    with pytest.raises(ValueError, match=message.replace("{", r"\{")):
+        load_grid(tmp_path / "bad.yaml")
+
+
+def test_grid_file_must_be_a_mapping(tmp_path):
+    (tmp_path / "list.yaml").write_text("- lags\n- rows\n")
+    with pytest.raises(ValueError, match="a grid file is a mapping"):
+        load_grid(tmp_path / "list.yaml")

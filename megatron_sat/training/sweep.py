@@ -124,6 +124,8 @@ def load_grid(path: str | Path, output_dir: str | Path | None = None) -> SweepGr
 
     path = Path(path)
     tree = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(tree, dict):
+        raise ValueError(f"{path}: a grid file is a mapping (name, rows, lags, ...)")
     known = {"name", "base_config", "output_dir", "overrides", "lag_overrides", "lags", "seeds"}
     unknown = sorted(set(tree) - known - {"rows"})
     if unknown:
@@ -135,7 +137,7 @@ def load_grid(path: str | Path, output_dir: str | Path | None = None) -> SweepGr
     for i, raw in enumerate(rows_raw):
         if not isinstance(raw, dict) or not isinstance(raw.get("id"), str) or not raw["id"]:
             raise ValueError(f"{path}: rows[{i}] needs a string id")
-        if not all(c.isalnum() or c in "-_." for c in raw["id"]):
+        if set(raw["id"]) == {"."} or not all(c.isalnum() or c in "-_." for c in raw["id"]):
             raise ValueError(f"{path}: rows[{i}].id {raw['id']!r} must be a plain directory name")
         extra = sorted(set(raw) - {"id", "label", "overrides"})
         if extra:
@@ -162,6 +164,13 @@ def load_grid(path: str | Path, output_dir: str | Path | None = None) -> SweepGr
             tree.get("lag_overrides", list(SweepGrid.lag_overrides)), f"{path}: lag_overrides"
         ),
     )
+    for o in grid.lag_overrides:
+        try:
+            o.format(lag=0)
+        except (KeyError, IndexError, ValueError) as e:
+            raise ValueError(
+                f"{path}: lag_overrides entry {o!r}: only {{lag}} is substituted ({e!r})"
+            ) from e
     cells = []
     for row in grid.rows:
         for lag in grid.lags:
