@@ -10,7 +10,8 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${MEGATRON_SAT_VLLM_ENV:-$root/.cache/vllm-env}"
 plugin="$root/tools/vllm_plugin"
 stamp="$venv/.megatron_sat_vllm_stamp"
-want="$(cat "${BASH_SOURCE[0]}" "$plugin/pyproject.toml" | sha256sum | cut -d' ' -f1)"
+# The checkout's path is hashed too: the environment's .pth file below points at it.
+want="$( (cat "${BASH_SOURCE[0]}" "$plugin/pyproject.toml"; echo "$root") | sha256sum | cut -d' ' -f1)"
 if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
   exit 0
 fi
