@@ -691,3 +691,35 @@ def test_embedded_key_file_keeps_odd_keys(tmp_path, odd):
     assert load_server_keys(key_file) == ServerKeys(odd, odd + "2")
     key_file.unlink()
     server.log_path.unlink()
+
+
+@pytest.mark.parametrize("fail_after", [1, 4])
+def test_update_whose_tensor_source_fails_ends_its_session(
+    keyed_server, tiny_checkpoint, fail_after
+):
+    """The tensors come from a generator (megatron_push gathers them with collectives); when it
+    raises mid-update, the session still ends, so the next update can begin one. Nothing
+    loaded (failure before the first bucket went out): generation resumes; else the server
+    stays paused, as after a rejected bucket."""
+    client = RecordingClient(keyed_server.url, keys=KEYS)
+    tensors = _tensors(tiny_checkpoint, 0.0)
+    smallest = min(t.numel() * t.element_size() for _, t in tensors)
+
+    def source():
+        yield from tensors[:fail_after]
+        raise RuntimeError("gather collective failed")
+
+    with WeightUpdater([client], bucket_bytes=smallest, pause_mode="retract", timeout_s=60) as up:
+        version = client.get_weight_version()
+        client.calls.clear()
+        with pytest.raises(RuntimeError, match="gather collective failed"):
+            up.update(source(), weight_version="never")
+        endpoints = [e for _, e, _, _ in client.calls]
+        assert endpoints[:2] == ["/pause_generation", "/begin_weight_update"]
+        loaded = endpoints.count("/update_weights_from_distributed")
+        assert loaded == fail_after - 2 if fail_after > 2 else loaded == 0
+        assert endpoints[-1] == ("/end_weight_update" if loaded else "/continue_generation")
+        assert "/end_weight_update" in endpoints
+        assert client.get_weight_version() == version
+        up.update(tensors, weight_version=f"{version}-again")  # a new session opens
+        assert client.get_weight_version() == f"{version}-again"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import uuid
@@ -254,6 +255,16 @@ class WeightUpdater:
             if isinstance(e, ValueError):
                 raise
             raise WeightSyncError(f"{e}\nNo server changed weights; generation resumed.") from e
+        except BaseException:
+            # Anything else (the tensor source's gather collective, a CUDA OOM while staging,
+            # an interrupt) still ends the open sessions, or every retry's /begin_weight_update
+            # would be refused; servers that loaded a bucket stay paused, as above.
+            with contextlib.suppress(WeightSyncError):
+                if began:
+                    self._on_servers("end_weight_update", began, lambda c: c.end_weight_update())
+                if not applied_somewhere:
+                    self._on_all_servers("continue_generation", lambda c: c.continue_generation())
+            raise
         self._on_all_servers("continue_generation", lambda c: c.continue_generation())
         return UpdateStats(num_tensors, num_bytes, num_buckets, time.perf_counter() - start)
 
