@@ -77,6 +77,12 @@ def test_slurm_array(tmp_path, tiny_checkpoint):
     text = render_slurm_array(grid, tmp_path / "a.sbatch", ["--partition=gpu"]).read_text()
     assert "#SBATCH --array=0-1\n" in text and "#SBATCH --partition=gpu\n" in text
     assert "megatron-sat sweep --grid" in text and '--cell "$SLURM_ARRAY_TASK_ID"' in text
+    # SLURM opens each task's --output file before the script's mkdir runs
+    assert (tmp_path / "cells" / "slurm").is_dir()
+    assert f"#SBATCH --output={tmp_path / 'cells' / 'slurm'}/%A_%a.out\n" in text
+    spaced = load_grid(_grid(tmp_path, tiny_checkpoint), output_dir=tmp_path / "a b")
+    with pytest.raises(ValueError, match="whitespace"):
+        render_slurm_array(spaced, tmp_path / "b.sbatch")
 
 
 def test_cell_stats_by_hand():

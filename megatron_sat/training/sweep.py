@@ -272,9 +272,14 @@ def render_slurm_array(
         grid: from ``load_grid``.
         out: the script to write.
         sbatch_options: extra ``#SBATCH`` lines' options (e.g. ``--partition=gpu``).
+
+    Raises:
+        ValueError: ``output_dir`` holds whitespace (``#SBATCH --output`` cannot quote it).
     """
     out = Path(out)
     logs = grid.output_dir / "slurm"
+    if any(c.isspace() for c in str(logs)):  # an #SBATCH line takes no quoting
+        raise ValueError(f"output_dir {grid.output_dir} has whitespace: #SBATCH --output breaks")
     lines = [
         "#!/bin/bash",
         f"#SBATCH --job-name=sweep-{grid.name}",
@@ -290,6 +295,8 @@ def render_slurm_array(
         "",
     ]
     out.parent.mkdir(parents=True, exist_ok=True)
+    # SLURM opens --output before the script runs: a missing folder fails every task at start
+    logs.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines))
     os.chmod(out, 0o755)
     return out
