@@ -579,7 +579,7 @@ def test_padding_garbage_changes_nothing(name, mode, per_token_adv):
         "kl_coef": 1e-3,
         "tis_cap": 2.0,
         "icepop_range": (0.5, 5.0),
-        "dual_clip_c": 3.0,
+        "dual_clip_c": None if name in ("cispo", "m2po") else 3.0,  # no clip to bound there
     }
 
     def pad(x, fill):

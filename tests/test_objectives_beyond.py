@@ -124,3 +124,11 @@ def test_ess_by_hand():
 def test_m2po_tau_validated(field, value):
     with pytest.raises(ValueError, match=rf"ObjectiveConfig\.{field} must be"):
         ObjectiveConfig(name="m2po", **{field: value})
+
+
+@pytest.mark.parametrize("name", ["cispo", "m2po"])
+def test_dual_clip_refused_where_there_is_no_clip(name):
+    # cispo/m2po never call clipped_surrogate: a dual_clip_c would be silently ignored
+    with pytest.raises(ValueError, match="ObjectiveConfig.dual_clip_c"):
+        ObjectiveConfig(name=name, dual_clip_c=3.0)
+    assert ObjectiveConfig(name="grpo", dual_clip_c=3.0).dual_clip_c == 3.0

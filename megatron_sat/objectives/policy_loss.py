@@ -152,6 +152,11 @@ class ObjectiveConfig:
             self.icepop_range = (float(lo), float(hi))
         c = self.dual_clip_c
         check(c is None or (finite(c) and c > 1), "dual_clip_c", "None or finite and > 1")
+        check(
+            c is None or self.name not in ("cispo", "m2po"),
+            "dual_clip_c",
+            f"None for {self.name!r} (its surrogate has no PPO clip for a dual clip to bound)",
+        )
         check(finite(self.m2po_tau) and self.m2po_tau > 0, "m2po_tau", "finite and > 0")
         check(finite(self.kl_coef) and self.kl_coef >= 0, "kl_coef", "finite and >= 0")
         check(
