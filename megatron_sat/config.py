@@ -58,7 +58,7 @@ class RolloutConfig:
             the embedded CPU servers) or ``vllm`` (vLLM's own routes and weight-transfer API,
             ``megatron_sat.rollout.vllm``; servers given by URL only).
         server_urls: URLs of running SGLang servers; empty = start embedded CPU servers.
-        server_key_file: YAML with ``api_key`` / ``admin_api_key`` of the servers of
+        server_key_file: YAML with ``api-key`` / ``admin-api-key`` of the servers of
             ``server_urls`` (the file their ``--config`` reads; mode 0600), sent as SGLang
             expects (``Authorization: Bearer``); None for servers without keys.
         num_embedded_servers: embedded servers to start when ``server_urls`` is empty.

@@ -4,7 +4,7 @@ Run: ``python -m megatron_sat.rollout.embedded.server --model-path DIR --host 12
 --port P --random-seed S [--enable-return-routed-experts] [--max-running-requests N]
 [--dist-timeout SECONDS] [--api-key K] [--admin-api-key K] [--config KEYS.yaml]`` (flags
 spelled as ``sglang.launch_server``'s; ``--config`` is SGLang's YAML of flags, here only
-``api_key`` / ``admin_api_key``, so keys need not appear on a command line).
+``api-key`` / ``admin-api-key``, so keys need not appear on a command line).
 
 Endpoints and JSON as sglang 0.5.23 (``srt/entrypoints/http_server.py``, ``io_struct.py``):
 ``/health`` and ``/health_generate``, ``/ready``, ``/model_info`` (carries ``weight_version``),
@@ -695,7 +695,7 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
     p.add_argument("--dist-timeout", type=float, default=600.0, help="seconds")
     p.add_argument("--api-key", default=None)
     p.add_argument("--admin-api-key", default=None)
-    p.add_argument("--config", default=None, help="YAML with api_key / admin_api_key")
+    p.add_argument("--config", default=None, help="YAML with api-key / admin-api-key")
     a = p.parse_args(argv)
     if a.config is not None:
         with open(a.config) as f:
