@@ -159,3 +159,18 @@ def test_grid_file_must_be_a_mapping(tmp_path):
     (tmp_path / "list.yaml").write_text("- lags\n- rows\n")
     with pytest.raises(ValueError, match="a grid file is a mapping"):
         load_grid(tmp_path / "list.yaml")
+
+
+def test_report_names_the_cell_without_evaluations(tmp_path, tiny_checkpoint):
+    # a finished cell whose run never evaluated (train.eval_every=0): the error names it
+    from megatron_sat.training.sweep import sweep_report
+
+    grid = load_grid(_grid(tmp_path, tiny_checkpoint))
+    cell = grid.cells[1]
+    cell.run_dir.mkdir(parents=True)
+    (cell.run_dir / "summary.json").write_text("{}")
+    (cell.run_dir / "metrics.jsonl").write_text(
+        json.dumps({"step": 1, "train/mismatch_abs_logratio": 0.1}) + "\n"
+    )
+    with pytest.raises(ValueError, match="cell sat_gspo_r3 lag 1 seed 3 .*no eval/acc_greedy"):
+        sweep_report(grid, tmp_path / "report")

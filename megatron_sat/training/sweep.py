@@ -401,7 +401,12 @@ def sweep_report(grid: SweepGrid, out_dir: str | Path, command: str | None = Non
     if not done:
         raise ValueError(f"no finished cell under {grid.output_dir}")
     metrics = {c.index: read_metrics(c.run_dir) for c in done}
-    stats = {c.index: cell_stats(metrics[c.index]) for c in done}
+    stats = {}
+    for c in done:
+        try:
+            stats[c.index] = cell_stats(metrics[c.index])
+        except ValueError as e:  # name the cell: the error alone does not say which run
+            raise ValueError(f"cell {c.row.id} lag {c.lag} seed {c.seed} ({c.run_dir}): {e}") from e
     lines = [f"# Sweep `{grid.name}`", ""]
     if command:
         lines += ["Made by:", "", "```", command, "```", ""]
