@@ -40,6 +40,7 @@ import numpy as np
 import pytest
 import sglang_reference as ref
 import torch
+import yaml
 from fastapi.testclient import TestClient
 from pydantic import TypeAdapter
 from safetensors.torch import load_file
@@ -679,7 +680,7 @@ def test_generated_keys_survive_sglang_config_merge(monkeypatch, capsys, tmp_pat
     assert args.api_key == "sk--" + "A" * 42 and args.admin_api_key == args.api_key
 
 
-@pytest.mark.parametrize("odd", ["yes", "0123", "a #b", "-lead", "x: y", "'q\"", "ü"])
+@pytest.mark.parametrize("odd", ["yes", "0123", "a #b", "-lead", "x: y", "'q\"", "~", "null"])
 def test_embedded_key_file_keeps_odd_keys(tmp_path, odd):
     """Keys that YAML would read as another value (bool, octal, comment, mapping) reach the
     embedded server's --config parse unchanged, as SGLang's merger would read them."""
@@ -723,3 +724,18 @@ def test_update_whose_tensor_source_fails_ends_its_session(
         assert client.get_weight_version() == version
         up.update(tensors, weight_version=f"{version}-again")  # a new session opens
         assert client.get_weight_version() == f"{version}-again"
+
+
+@pytest.mark.parametrize("bad", ["SECRET\n", " SECRET", "SECRET\t", "SECRETü", "", "SE\x00CRET"])
+def test_keys_that_http_or_sglang_cannot_carry_are_refused_unseen(tmp_path, bad):
+    """A control character makes httpx raise with the header (the key) in its message, HTTP
+    servers strip surrounding whitespace, and SGLang's compare_digest raises on non-ASCII:
+    refused at once, without the key in the error."""
+    with pytest.raises(ValueError, match="ServerKeys.admin_api_key must be") as info:
+        ServerKeys("fine", bad)
+    assert "SECRET" not in str(info.value)
+    key_file = tmp_path / "keys.yaml"
+    key_file.write_text(yaml.safe_dump({"api-key": "fine", "admin-api-key": bad}))
+    key_file.chmod(0o600)
+    with pytest.raises(ValueError):
+        load_server_keys(key_file)

@@ -121,6 +121,22 @@ class ServerKeys:
     api_key: str | None = None
     admin_api_key: str | None = None
 
+    def __post_init__(self) -> None:
+        for name in ("api_key", "admin_api_key"):
+            key = getattr(self, name)
+            if key is None:
+                continue
+            # Never show the key. A header value cannot hold a control character (httpx
+            # raises with the whole header, key included, in its message), HTTP servers strip
+            # surrounding whitespace, and SGLang's secrets.compare_digest raises TypeError
+            # (a 500 on every request) for a non-ASCII str.
+            ok = isinstance(key, str) and key.isascii() and key.isprintable()
+            if not ok or not key or key != key.strip():
+                raise ValueError(
+                    f"ServerKeys.{name} must be a non-empty string of printable ASCII without "
+                    "surrounding whitespace (the key is not shown)"
+                )
+
     def __repr__(self) -> str:
         def shown(key: str | None) -> str:
             return "None" if key is None else "'***'"
