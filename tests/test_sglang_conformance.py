@@ -55,6 +55,7 @@ from megatron_sat.rollout.auth import (
 from megatron_sat.rollout.client import RoutingSpec, SamplingParams, SGLangClient
 from megatron_sat.rollout.embedded.launch import EmbeddedServer
 from megatron_sat.rollout.embedded.server import (
+    FLUSH_AFTER_UPDATE_FAILED,
     FLUSH_FAILED,
     FLUSH_OK,
     OUTSIDE_SESSION,
@@ -739,3 +740,38 @@ def test_keys_that_http_or_sglang_cannot_carry_are_refused_unseen(tmp_path, bad)
     key_file.chmod(0o600)
     with pytest.raises(ValueError):
         load_server_keys(key_file)
+
+
+def test_update_whose_flush_fails_records_its_version_as_sglang(state, monkeypatch):
+    """SGLang 0.5.23's update_weights_from_distributed loads, records weight_version, then
+    flushes; a refused flush fails the call with the new version already recorded."""
+    source = ref.source("srt/managers/scheduler_components/weight_updater.py")
+    assert source.index("self.record_weight_version_after_update(recv_req.weight_version)") < (
+        source.index("success, message = self.flush_cache_after_weight_update(")
+    )
+    name, target = next(iter(state.engine.weight_targets.items()))
+    original, version = target.detach().clone(), state.scheduler.weight_version
+
+    class Group:
+        def broadcast(self, buf, src, async_op):
+            buf.copy_(original)
+            return types.SimpleNamespace(wait=lambda: None)
+
+    body = {
+        "group_name": "flush_test",
+        "names": [name],
+        "dtypes": [str(target.dtype).removeprefix("torch.")],
+        "shapes": [list(target.shape)],
+        "weight_version": "after-refused-flush",
+        "flush_cache": True,
+    }
+    state.groups["flush_test"] = Group()
+    monkeypatch.setattr(state.scheduler, "busy", lambda: True)
+    try:
+        fatal, specs, mismatches = state.check_update(body)
+        assert fatal is None and not mismatches
+        assert state.receive_update(body, specs, mismatches) == (False, FLUSH_AFTER_UPDATE_FAILED)
+        assert state.scheduler.weight_version == "after-refused-flush"
+    finally:
+        del state.groups["flush_test"]
+        state.scheduler.weight_version = version

@@ -29,8 +29,8 @@ Endpoints and JSON as sglang 0.5.23 (``srt/entrypoints/http_server.py``, ``io_st
   ``/ready`` is 503 while paused. ``/model_info`` answers at once, paused or not.
 - ``/flush_cache`` is refused (HTTP 400, text ``Flush cache failed.``) while requests run or
   (unpaused) wait, as SGLang's scheduler ``flush_cache``; an update with ``flush_cache`` true
-  (SGLang's default) in that state loads the weights, then fails with SGLang's message and
-  leaves ``weight_version`` unchanged.
+  (SGLang's default) in that state loads the weights and records its ``weight_version``, then
+  fails with SGLang's message (SGLang 0.5.23 records the version before it flushes).
 
 Deliberate differences from SGLang, each loud rather than silent:
 
@@ -497,10 +497,12 @@ class ServerState:
             if mismatches:
                 return False, f"rejected {len(mismatches)} parameter(s): " + "; ".join(mismatches)
             self.engine.load_weights([(s[0], buf) for s, buf in zip(specs, buffers, strict=True)])
-            if body.get("flush_cache", True) and self.scheduler.busy():
-                return False, FLUSH_AFTER_UPDATE_FAILED  # SGLang: loaded, version unchanged
+            # SGLang records the version before its flush (weight_updater.py:
+            # record_weight_version_after_update, then flush_cache_after_weight_update)
             if body.get("weight_version") is not None:
                 self.scheduler.weight_version = str(body["weight_version"])
+            if body.get("flush_cache", True) and self.scheduler.busy():
+                return False, FLUSH_AFTER_UPDATE_FAILED  # SGLang: loaded, version changed
         return True, "Succeeded to update parameter online."
 
     def _receive_flattened(self, group, specs) -> list[torch.Tensor]:
