@@ -131,19 +131,24 @@ def main() -> None:
             else:  # at a random moment (checkpoint writes included)
                 delay = rng.uniform(0.3, 0.9) * ref_s
                 point = f"t={delay:.1f}s"
-                proc = subprocess.Popen(
-                    resume, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-                )
-                try:
-                    proc.wait(timeout=delay)
-                    killed = False
-                except subprocess.TimeoutExpired:
-                    proc.send_signal(signal.SIGKILL)
-                    proc.wait()
-                    killed = True
+                with open(root / f"kill{i}.log", "wb") as log:
+                    proc = subprocess.Popen(resume, env=env, stdout=log, stderr=log)
+                    try:
+                        proc.wait(timeout=delay)
+                        killed = False
+                    except subprocess.TimeoutExpired:
+                        proc.send_signal(signal.SIGKILL)
+                        proc.wait()
+                        killed = True
             orphans += orphans_after(ckpt)
-            done = subprocess.run(resume, env=env, capture_output=True)
-            ok = done.returncode == 0
+            if killed:
+                done = subprocess.run(resume, env=env, capture_output=True)
+                ok = done.returncode == 0
+            else:  # it ended by itself before the kill (a failure is reported, not resumed)
+                ok = proc.returncode == 0 if i % 2 else False
+                if not ok:
+                    tail = (root / f"kill{i}.log").read_text(errors="replace")[-1500:]
+                    print(f"kill point {i} ended by itself (rc {proc.returncode}): {tail}")
             if ok:
                 got = weights(run_dir)
                 ok = metrics(run_dir) == want_metrics and all(
