@@ -129,6 +129,13 @@ class RolloutConfig:
             )
         if not self.server_urls:
             _positive("rollout", self, "num_embedded_servers")
+        elif self.dtype != "float32":
+            # the dtype of servers given by URL is their own launch flag: refuse rather than
+            # let a run believe its engine is bf16 when it is whatever was started
+            raise ValueError(
+                f"rollout.dtype={self.dtype!r} applies to embedded servers only; servers given by "
+                "rollout.server_urls run in the dtype they were launched with (their --dtype)"
+            )
         if self.mode not in ("sync", "fixed_lag", "bounded"):
             raise ValueError(f"rollout.mode must be sync, fixed_lag or bounded, got {self.mode!r}")
         if self.mode != "sync" and self.update_weights_interval != 1:

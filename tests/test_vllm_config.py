@@ -54,3 +54,11 @@ def test_buckets_hold_whole_layers():
     # Layer 0 (32 bytes) never splits; a bucket closes before a layer that would overflow it.
     assert buckets == [names[:1], names[1:3], names[3:5], names[5:]]
     assert [n for b in buckets for n in b] == names
+
+
+def test_rollout_dtype_with_server_urls_is_refused_not_ignored():
+    # rollout.dtype is the embedded servers' --dtype; servers given by URL keep theirs
+    assert RolloutConfig(server_urls=["http://127.0.0.1:9"]).dtype == "float32"
+    with pytest.raises(ValueError, match=r"rollout\.dtype='bfloat16' applies to embedded"):
+        RolloutConfig(dtype="bfloat16", server_urls=["http://127.0.0.1:9"])
+    assert RolloutConfig(dtype="bfloat16").dtype == "bfloat16"
