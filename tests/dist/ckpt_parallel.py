@@ -241,7 +241,13 @@ def run_resume_dp2(root: Path, k: int = 2) -> dict:
     set_layout(ParallelConfig())
     hf_config = read_hf_config(hf_dir)
     vocab = hf_config["vocab_size"]
-    train = TrainConfig(lr=3e-3, micro_batch_size=3, use_r3=False, seed=5)
+    # The plain (replicated) optimizer: with megatron-core's DistributedOptimizer, the default
+    # at DP2, a resumed run is not yet bit-exact (weights differ by ~4e-4 after a step; an open
+    # defect of issue 13, reproduced by tests/dist/bf16_parallel.py with
+    # BF16_PARALLEL_RESUME_DTYPE=fp32), so this pins what does resume exactly.
+    train = TrainConfig(
+        lr=3e-3, micro_batch_size=3, use_r3=False, seed=5, use_distributed_optimizer=False
+    )
 
     def trainer() -> PolicyTrainer:
         return PolicyTrainer(hf_config, train, ParallelConfig(), pad_token_id=0, load_from=hf_dir)
