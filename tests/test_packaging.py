@@ -23,8 +23,32 @@ from packaging.markers import default_environment
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
-from pip._vendor.resolvelib import BaseReporter, ResolutionImpossible, Resolver
-from pip._vendor.resolvelib.providers import AbstractProvider
+
+
+def _pip_resolvelib():
+    """pip's vendored resolvelib, loaded from its files under another name. Importing ``pip``
+    (even finding its spec) disables setuptools' distutils shim for the whole process
+    (``_distutils_hack``'s ``spec_for_pip``), after which every first import of setuptools
+    fails its assertion: in a full test session that broke every later fixture that built a
+    checkpoint."""
+    import importlib.util
+    import sysconfig
+
+    init = Path(sysconfig.get_paths()["purelib"]) / "pip/_vendor/resolvelib/__init__.py"
+    spec = importlib.util.spec_from_file_location(
+        "_megatron_sat_resolvelib", init, submodule_search_locations=[str(init.parent)]
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+_resolvelib = _pip_resolvelib()
+BaseReporter = _resolvelib.BaseReporter
+ResolutionImpossible = _resolvelib.ResolutionImpossible
+Resolver = _resolvelib.Resolver
+AbstractProvider = _resolvelib.AbstractProvider
 
 ROOT = Path(__file__).resolve().parents[1]
 
