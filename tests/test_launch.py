@@ -320,6 +320,12 @@ def test_rendered_scripts_are_valid_bash_with_the_plan(launcher, tmp_path):
     subprocess.run(["bash", "-n", str(prepared.script_path)], check=True)
     assert "-m sglang.launch_server --model-path checkpoints/Qwen3-30B-A3B-Base" in text
     assert "--tp-size 4 --enable-return-routed-experts --weight-version 0" in text
+    # SGLang 0.5.23 honours a request's sampling_seed only with deterministic inference on.
+    servers = [line for line in text.splitlines() if "-m sglang.launch_server" in line]
+    assert servers and all(
+        "--weight-version 0 --enable-deterministic-inference --random-seed" in line
+        for line in servers
+    )
     assert "--mem-fraction-static 0.8" in text
     assert f"--config {prepared.config_path}" in text
     assert "pkill" not in text and "killall" not in text

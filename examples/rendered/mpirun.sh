@@ -81,7 +81,7 @@ unset RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE
 MPI_FLAGS=(--bind-to none)
 [[ "$(id -u)" == 0 ]] && MPI_FLAGS+=(--allow-run-as-root)
 URLS=()
-mpirun "${MPI_FLAGS[@]}" -np 1 --host node0:1 -x PYTHONUNBUFFERED -x OMP_NUM_THREADS -x CUDA_VISIBLE_DEVICES=4,5,6,7 "$PY" -m sglang.launch_server --model-path checkpoints/Qwen3-30B-A3B-Base --host node0 --port 30000 --config "$KEY_FILE" --tp-size 4 --enable-return-routed-experts --weight-version 0 --random-seed 1234 --mem-fraction-static 0.8 > >("$PY" -u -c "$REDACT_PY" "$KEY_FILE" > "$LOG_DIR/server_0.log") 2>&1 &
+mpirun "${MPI_FLAGS[@]}" -np 1 --host node0:1 -x PYTHONUNBUFFERED -x OMP_NUM_THREADS -x CUDA_VISIBLE_DEVICES=4,5,6,7 "$PY" -m sglang.launch_server --model-path checkpoints/Qwen3-30B-A3B-Base --host node0 --port 30000 --config "$KEY_FILE" --tp-size 4 --enable-return-routed-experts --weight-version 0 --enable-deterministic-inference --random-seed 1234 --mem-fraction-static 0.8 > >("$PY" -u -c "$REDACT_PY" "$KEY_FILE" > "$LOG_DIR/server_0.log") 2>&1 &
 SERVER_PIDS+=($!)
 URLS+=("\"http://node0:30000\"")
 wait_healthy "http://node0:30000" "${SERVER_PIDS[0]}" "$LOG_DIR/server_0.log"

@@ -44,7 +44,8 @@ class LaunchConfig:
         rollout_server_tp: devices per rollout server (SGLang ``--tp-size``); 1 for embedded.
         sglang_args: extra command-line flags for every SGLang server, e.g.
             ``["--mem-fraction-static", "0.8"]``. ``--enable-return-routed-experts``,
-            ``--weight-version 0``, ``--tp-size``, ``--host``, ``--port`` and ``--model-path``
+            ``--weight-version 0``, ``--enable-deterministic-inference`` (per-request
+            ``sampling_seed``), ``--tp-size``, ``--host``, ``--port`` and ``--model-path``
             are always passed and must not be repeated here.
         master_port: torch.distributed rendezvous TCP port on the first trainer node; 0 = a
             port the script finds free there just before it starts the trainer (torchrun,
@@ -169,6 +170,7 @@ class LaunchConfig:
         reserved = {
             "--enable-return-routed-experts",
             "--weight-version",
+            "--enable-deterministic-inference",
             "--tp-size",
             "--tp",
             "--host",

@@ -2,8 +2,9 @@
 
 Every script does the same four things, with its launcher's tools:
 
-1. start the rollout servers on their devices (SGLang with ``--enable-return-routed-experts``
-   and ``--weight-version 0``, or the embedded CPU server), one log file each;
+1. start the rollout servers on their devices (SGLang with ``--enable-return-routed-experts``,
+   ``--weight-version 0`` and ``--enable-deterministic-inference``, or the embedded CPU
+   server), one log file each;
 2. wait until every server answers ``/health`` (failing early when one exits);
 3. start the trainer ranks with ``megatron-sat train --config <resolved config>
    rollout.server_urls=[...]``, one log per node;
@@ -156,6 +157,10 @@ def server_command(
             "--enable-return-routed-experts",
             "--weight-version",
             "0",
+            # SGLang 0.5.23 uses a request's sampling_seed only under this flag
+            # (sampling/sampling_batch_info.py; it also selects the pytorch sampler): the
+            # per-request seeds that keep a resumed run on its path (rollout/seeds.py).
+            "--enable-deterministic-inference",
             *seed,
             *la.sglang_args,
         ]
