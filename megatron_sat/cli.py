@@ -188,7 +188,7 @@ def _sweep(args: argparse.Namespace) -> int:
             print(f"{cell.index}\t{state}\t{cell.row.id}\tlag {cell.lag}\tseed {cell.seed}")
         return 0
     try:
-        result = run_sweep(grid, cells=args.cell or None)
+        result = run_sweep(grid, cells=args.cell or None, jobs=args.jobs)
     except ValueError as e:
         print(f"megatron-sat sweep: {e}", file=sys.stderr)
         return 2
@@ -283,6 +283,9 @@ def main(argv: list[str] | None = None) -> int:
     sw.add_argument("--grid", required=True, help="grid YAML (see examples/sweeps)")
     sw.add_argument("--output-dir", help="cells' parent directory (default: the grid's)")
     sw.add_argument("--cell", type=int, nargs="*", default=[], help="only these cell indices")
+    sw.add_argument(
+        "--jobs", type=int, default=1, help="cells at once (CPU: OMP_NUM_THREADS = cores / jobs)"
+    )
     sw.add_argument("--dry-run", action="store_true", help="list the cells and their state")
     sw.add_argument("--slurm", help="write an sbatch job array (one task per cell) here")
     sw.add_argument("--sbatch-option", action="append", default=[], help="extra #SBATCH option")

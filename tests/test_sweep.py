@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import yaml
@@ -72,6 +73,23 @@ def test_grid_cells_and_validation(tmp_path, tiny_checkpoint):
         run_sweep(grid, cells=[2], runner=lambda cmd, log: 0)
 
 
+def test_grid_order_seed_first(tmp_path, tiny_checkpoint):
+    tree = yaml.safe_load(open(_grid(tmp_path, tiny_checkpoint)))
+    tree["seeds"] = [3, 4]
+    path = tmp_path / "two_seeds.yaml"
+    for order, expected in (
+        (None, [("grpo_mu", 3), ("grpo_mu", 4), ("sat_gspo_r3", 3), ("sat_gspo_r3", 4)]),
+        ("seed", [("grpo_mu", 3), ("sat_gspo_r3", 3), ("grpo_mu", 4), ("sat_gspo_r3", 4)]),
+    ):
+        path.write_text(yaml.safe_dump({**tree, **({"order": order} if order else {})}))
+        grid = load_grid(path)
+        assert [(c.row.id, c.seed) for c in grid.cells] == expected
+        assert [c.index for c in grid.cells] == [0, 1, 2, 3]
+    path.write_text(yaml.safe_dump({**tree, "order": "lag"}))
+    with pytest.raises(ValueError, match="order must be 'row' or 'seed', got 'lag'"):
+        load_grid(path)
+
+
 def test_slurm_array(tmp_path, tiny_checkpoint):
     grid = load_grid(_grid(tmp_path, tiny_checkpoint))
     text = render_slurm_array(grid, tmp_path / "a.sbatch", ["--partition=gpu"]).read_text()
@@ -134,6 +152,62 @@ def test_tiny_sweep_end_to_end_report_and_rerun_skips(tmp_path, tiny_checkpoint,
     (grid.cells[1].run_dir / "summary.json").unlink()
     assert main(["sweep", "--grid", grid_path, "--dry-run"]) == 0
     assert capsys.readouterr().out.splitlines()[1].split("\t")[:2] == ["1", "todo"]
+
+
+def test_jobs_run_cells_at_once_and_keep_the_order(tmp_path, tiny_checkpoint):
+    # two cells, jobs=2: a barrier of two parties passes only if both runners wait at once
+    # (with one cell at a time the first waits alone and breaks the barrier: BrokenBarrierError)
+    import threading
+
+    grid = load_grid(_grid(tmp_path, tiny_checkpoint))
+    barrier = threading.Barrier(2, timeout=20)
+
+    def runner(cmd, log_path):
+        barrier.wait()
+        run_dir = Path(cmd[-1].removeprefix("run_dir="))
+        run_dir.mkdir(parents=True)
+        (run_dir / "summary.json").write_text("{}")
+        return 1 if "objective.name=grpo" in cmd else 0  # the first cell fails
+
+    result = run_sweep(grid, runner=runner, log=lambda line: None, jobs=2)
+    assert result == {"ran": [1], "skipped": [], "failed": [0]}
+    with pytest.raises(ValueError, match="jobs must be an integer >= 1, got 0"):
+        run_sweep(grid, jobs=0)
+
+
+def test_r3_note_pairs_live_and_replayed_by_hand(tmp_path, tiny_checkpoint):
+    from megatron_sat.training.sweep import r3_notes
+
+    grid = load_grid(_grid(tmp_path, tiny_checkpoint))
+    rows = [
+        {"step": 0, "eval/acc_greedy": 0.5},
+        {
+            "step": 1,
+            "train/mismatch_abs_logratio": 0.01,
+            "train/mismatch_abs_logratio_live": 0.03,
+            "train/topk_match_live": 0.9,
+            "train/topk_match_r3": 1.0,
+        },
+        {
+            "step": 2,
+            "train/mismatch_abs_logratio": 0.03,
+            "train/mismatch_abs_logratio_live": 0.05,
+            "train/topk_match_live": 0.8,
+            "train/topk_match_r3": 1.0,
+        },
+    ]
+    s = cell_stats(rows)
+    assert (s["mismatch_all"], s["mismatch_live_all"]) == pytest.approx((0.02, 0.04))
+    assert (s["topk_live"], s["topk_r3"]) == pytest.approx((0.85, 1.0))
+    no_r3 = cell_stats([{k: v for k, v in r.items() if "r3" not in k} for r in rows])
+    assert no_r3["topk_r3"] is None
+    cells = grid.cells  # cell 0 without replay, cell 1 with
+    notes = r3_notes(grid, cells, {cells[0].index: no_r3, cells[1].index: s})
+    assert notes == [
+        "- R3 at lag 1 (1 runs that replay, all train steps): mean |log pi - log mu| 0.04 with "
+        "live routing -> 0.02 replayed (lower in 1 of 1 runs); top-k agreement 85.00% live -> "
+        "100.00% replayed (minimum over runs 100.00%)."
+    ]
 
 
 @pytest.mark.parametrize(

@@ -9,6 +9,7 @@ A grid file (YAML, e.g. ``examples/sweeps/table1.yaml``)::
     lag_overrides: [rollout.mode=fixed_lag, "rollout.lag={lag}"]
     lags: [1, 8]
     seeds: [1, 2]
+    order: row                                                # or seed (seed, row, lag)
     rows:
       - id: grpo_paper
         label: GRPO (recomputed old, as the paper ran it)
@@ -36,6 +37,7 @@ import statistics
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -110,7 +112,10 @@ def _int_list(value, where: str) -> tuple[int, ...]:
 
 
 def load_grid(path: str | Path, output_dir: str | Path | None = None) -> SweepGrid:
-    """Parse and validate a grid file; cells in row-major order (row, lag, seed).
+    """Parse and validate a grid file; cells in the file's ``order``.
+
+    ``order: row`` (default) lists the cells by (row, lag, seed); ``order: seed`` by (seed, row,
+    lag), so that a sweep stopped early has run every row and lag with the first seed(s).
 
     Args:
         path: the YAML grid file.
@@ -127,6 +132,7 @@ def load_grid(path: str | Path, output_dir: str | Path | None = None) -> SweepGr
     if not isinstance(tree, dict):
         raise ValueError(f"{path}: a grid file is a mapping (name, rows, lags, ...)")
     known = {"name", "base_config", "output_dir", "overrides", "lag_overrides", "lags", "seeds"}
+    known.add("order")
     unknown = sorted(set(tree) - known - {"rows"})
     if unknown:
         raise ValueError(f"{path}: unknown grid key(s) {unknown}")
@@ -171,24 +177,29 @@ def load_grid(path: str | Path, output_dir: str | Path | None = None) -> SweepGr
             raise ValueError(
                 f"{path}: lag_overrides entry {o!r}: only {{lag}} is substituted ({e!r})"
             ) from e
+    order = tree.get("order", "row")
+    if order not in ("row", "seed"):
+        raise ValueError(f"{path}: order must be 'row' or 'seed', got {order!r}")
+    if order == "row":  # (row, lag, seed): a row's cells together
+        keys = [(r, lag, s) for r in grid.rows for lag in grid.lags for s in grid.seeds]
+    else:  # (seed, row, lag): a sweep stopped early has every row once before any twice
+        keys = [(r, lag, s) for s in grid.seeds for r in grid.rows for lag in grid.lags]
     cells = []
-    for row in grid.rows:
-        for lag in grid.lags:
-            for seed in grid.seeds:
-                run_dir = grid.output_dir / row.id / f"lag{lag}_seed{seed}"
-                overrides = (
-                    *grid.overrides,
-                    *(o.format(lag=lag) for o in grid.lag_overrides),
-                    *row.overrides,
-                    f"train.seed={seed}",
-                    f"run_dir={run_dir}",
-                )
-                cell = SweepCell(len(cells), row, lag, seed, run_dir, overrides)
-                try:
-                    load_config(grid.base_config, list(overrides))
-                except ValueError as e:
-                    raise ValueError(f"{path}: cell {row.id} lag {lag} seed {seed}: {e}") from e
-                cells.append(cell)
+    for row, lag, seed in keys:
+        run_dir = grid.output_dir / row.id / f"lag{lag}_seed{seed}"
+        overrides = (
+            *grid.overrides,
+            *(o.format(lag=lag) for o in grid.lag_overrides),
+            *row.overrides,
+            f"train.seed={seed}",
+            f"run_dir={run_dir}",
+        )
+        cell = SweepCell(len(cells), row, lag, seed, run_dir, overrides)
+        try:
+            load_config(grid.base_config, list(overrides))
+        except ValueError as e:
+            raise ValueError(f"{path}: cell {row.id} lag {lag} seed {seed}: {e}") from e
+        cells.append(cell)
     return SweepGrid(**{**grid.__dict__, "cells": tuple(cells)})
 
 
@@ -213,12 +224,15 @@ def run_sweep(
     cells: Sequence[int] | None = None,
     runner: Callable[[list[str], Path], int] = _subprocess_runner,
     log: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
+    jobs: int = 1,
 ) -> dict[str, list[int]]:
-    """Run the unfinished cells one at a time, in order; finished cells are skipped.
+    """Run the unfinished cells, ``jobs`` at a time, in order; finished cells are skipped.
 
     An unfinished cell without a run checkpoint is removed and started again (its partial
     metrics would otherwise be appended to); one with a checkpoint resumes from it. A cell that
-    fails is reported and the sweep goes on with the next one.
+    fails is reported and the sweep goes on with the next one. Cells are independent processes
+    with their own seeds, so ``jobs`` changes the wall time, not a cell's numbers (on CPU give
+    each cell ``OMP_NUM_THREADS`` = cores / jobs: the thread count does change them).
 
     Args:
         grid: from ``load_grid``.
@@ -226,25 +240,27 @@ def run_sweep(
         runner: ``(command, log_path) -> exit status``; the default runs a subprocess whose
             output goes to ``<run_dir>.log``.
         log: progress lines.
+        jobs: how many cells run at once (threads, each waiting on its cell's process).
 
     Returns:
-        ``{"ran": [...], "skipped": [...], "failed": [...]}`` cell indices.
+        ``{"ran": [...], "skipped": [...], "failed": [...]}`` cell indices, in ``cells`` order.
 
     Raises:
-        ValueError: an index outside the grid.
+        ValueError: an index outside the grid, or ``jobs`` < 1.
     """
     chosen = list(range(len(grid.cells))) if cells is None else list(cells)
     bad = [i for i in chosen if not 0 <= i < len(grid.cells)]
     if bad:
         raise ValueError(f"cell indices {bad} outside the grid's {len(grid.cells)} cells")
-    result: dict[str, list[int]] = {"ran": [], "skipped": [], "failed": []}
-    for i in chosen:
+    if type(jobs) is not int or jobs < 1:
+        raise ValueError(f"jobs must be an integer >= 1, got {jobs!r}")
+
+    def run_one(i: int) -> str:
         cell = grid.cells[i]
         where = f"cell {i + 1}/{len(grid.cells)} {cell.row.id} lag {cell.lag} seed {cell.seed}"
         if cell.finished:
             log(f"{where}: finished, skipped")
-            result["skipped"].append(i)
-            continue
+            return "skipped"
         if cell.run_dir.exists() and not any((cell.run_dir / "checkpoints").glob("step_*")):
             log(f"{where}: unfinished without a run checkpoint, started again")
             shutil.rmtree(cell.run_dir)
@@ -253,10 +269,19 @@ def run_sweep(
         log(f"{where}: {shlex.join(cmd)}")
         status = runner(cmd, cell.run_dir.with_suffix(".log"))
         if status == 0 and cell.finished:
-            result["ran"].append(i)
-        else:
-            log(f"{where}: FAILED (exit {status}); see {cell.run_dir.with_suffix('.log')}")
-            result["failed"].append(i)
+            log(f"{where}: done")
+            return "ran"
+        log(f"{where}: FAILED (exit {status}); see {cell.run_dir.with_suffix('.log')}")
+        return "failed"
+
+    if jobs == 1:
+        outcomes = [run_one(i) for i in chosen]
+    else:
+        with ThreadPoolExecutor(max_workers=jobs) as pool:
+            outcomes = list(pool.map(run_one, chosen))
+    result: dict[str, list[int]] = {"ran": [], "skipped": [], "failed": []}
+    for i, outcome in zip(chosen, outcomes, strict=True):
+        result[outcome].append(i)
     return result
 
 
@@ -321,6 +346,10 @@ def cell_stats(rows: Sequence[dict]) -> dict[str, float | int | bool | None]:
     - ``sat_gate_rate``: mean SAT gate rate over all train steps (None for non-SAT rows);
     - ``ess_last25``: mean effective sample size over the last 25% of the steps (None if the
       run predates the metric);
+    - ``topk_live``, ``topk_r3``: mean top-k agreement with the rollout engine's experts over
+      all train steps, with live routing and with the replayed routes (None without R3);
+    - ``mismatch_all``, ``mismatch_live_all``: the two mismatches over all train steps (the
+      R3 note compares them);
     - ``num_steps``: train steps logged.
 
     Raises:
@@ -347,6 +376,10 @@ def cell_stats(rows: Sequence[dict]) -> dict[str, float | int | bool | None]:
         "mismatch_live_last25": mean("train/mismatch_abs_logratio_live", tail),
         "sat_gate_rate": mean("train/sat_gate_rate", train),
         "ess_last25": mean("train/ess", tail),
+        "topk_live": mean("train/topk_match_live", train),
+        "topk_r3": mean("train/topk_match_r3", train),
+        "mismatch_all": mean(MISMATCH_KEY, train),
+        "mismatch_live_all": mean("train/mismatch_abs_logratio_live", train),
         "num_steps": len(train),
     }
 
@@ -361,6 +394,9 @@ CELL_STATS: tuple[str, ...] = (
     "train steps; mismatch live: the same forward with live routing",
     "SAT gate rate: mean train/sat_gate_rate over all train steps (SAT rows only)",
     "ESS (last 25%): mean effective sample size of the importance weights pi/mu",
+    "top-k live / top-k R3: mean fraction of (token, MoE layer) pairs whose top-k experts in "
+    "the trained forward equal the rollout engine's, with live routing (train/topk_match_live) "
+    "and with the replayed routes (train/topk_match_r3, R3 rows only), over all train steps",
 )
 
 
@@ -415,14 +451,15 @@ def sweep_report(grid: SweepGrid, out_dir: str | Path, command: str | None = Non
         f"{list(grid.seeds)}; {len(done)} of {len(grid.cells)} cells finished.",
         "",
         "| method | lag | seeds | best acc | best step | final acc | collapsed | "
-        "mismatch (last 25%) | mismatch live (last 25%) | SAT gate rate | ESS (last 25%) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "mismatch (last 25%) | mismatch live (last 25%) | SAT gate rate | ESS (last 25%) | "
+        "top-k live | top-k R3 |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in grid.rows:
         for lag in grid.lags:
             cells = [c for c in done if c.row.id == row.id and c.lag == lag]
             if not cells:
-                lines.append(f"| {row.label} | {lag} | 0 | - | - | - | - | - | - | - | - |")
+                lines.append(f"| {row.label} | {lag} | 0 (missing) |" + " - |" * 10)
                 continue
             s = [stats[c.index] for c in cells]
             collapsed = sum(bool(x["collapsed"]) for x in s)
@@ -434,7 +471,7 @@ def sweep_report(grid: SweepGrid, out_dir: str | Path, command: str | None = Non
                 f"| {row.label} | {lag} | {len(cells)} | {col('best_acc')} | {col('best_step')} "
                 f"| {col('final_acc')} | {collapsed}/{len(cells)} | {col('mismatch_last25')} "
                 f"| {col('mismatch_live_last25')} | {col('sat_gate_rate')} "
-                f"| {col('ess_last25')} |"
+                f"| {col('ess_last25')} | {col('topk_live')} | {col('topk_r3')} |"
             )
     lines += [
         "",
@@ -443,6 +480,7 @@ def sweep_report(grid: SweepGrid, out_dir: str | Path, command: str | None = Non
         "- Values are mean ± sample standard deviation over the seeds that finished.",
         f"- {COLLAPSE_RULE}.",
         *(f"- {item}." for item in CELL_STATS),
+        *r3_notes(grid, done, stats),
         "",
     ]
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -450,6 +488,39 @@ def sweep_report(grid: SweepGrid, out_dir: str | Path, command: str | None = Non
     table.write_text("\n".join(lines))
     _figures(grid, done, metrics, stats, out_dir)
     return table
+
+
+def r3_notes(grid: SweepGrid, done: Sequence[SweepCell], stats: dict[int, dict]) -> list[str]:
+    """One note line per lag: what R3 changes in the runs that replay, pooled over them.
+
+    Each R3 run logs, at every step and at the same weights, the mismatch and the top-k
+    agreement of the trained (replayed) forward and of a live-routing forward: a paired
+    comparison. The line gives both means over the R3 runs' train steps (mean over the runs of
+    each run's all-steps mean), and how many runs have the replayed mismatch below the live.
+
+    Returns:
+        Markdown list items (empty when no finished cell replays).
+    """
+    out = []
+    for lag in grid.lags:
+        s = [stats[c.index] for c in done if c.lag == lag and stats[c.index]["topk_r3"] is not None]
+        s = [x for x in s if x["mismatch_all"] is not None and x["mismatch_live_all"] is not None]
+        if not s:
+            continue
+        lower = sum(x["mismatch_all"] < x["mismatch_live_all"] for x in s)
+
+        def m(key: str, s: list[dict] = s) -> float:
+            return statistics.fmean(x[key] for x in s)
+
+        out.append(
+            f"- R3 at lag {lag} ({len(s)} runs that replay, all train steps): mean "
+            f"|log pi - log mu| {m('mismatch_live_all'):.4g} with live routing -> "
+            f"{m('mismatch_all'):.4g} replayed "
+            f"(lower in {lower} of {len(s)} runs); top-k agreement {100 * m('topk_live'):.2f}% "
+            f"live -> {100 * m('topk_r3'):.2f}% replayed (minimum over runs "
+            f"{100 * min(x['topk_r3'] for x in s):.2f}%)."
+        )
+    return out
 
 
 def _figures(grid, done, metrics, stats, out_dir: Path) -> None:
