@@ -175,6 +175,50 @@ def test_children_die_with_a_sigkilled_parent():
         proc.kill()
 
 
+SERVER_LIKE = textwrap.dedent(
+    """
+    import os, subprocess, sys
+    from megatron_sat.platform.lifetime import parent_env
+    # A child that execs a program and needs {delay} s before it reaches end_with_parent
+    # (the embedded server imports torch and loads its model first).
+    child = (
+        "import time; time.sleep({delay}); "
+        "from megatron_sat.platform.lifetime import end_with_parent; "
+        "end_with_parent(poll_s=600); print('watching', flush=True); time.sleep(600)"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", child], env={{**os.environ, **parent_env()}},
+                            start_new_session=True)
+    print(proc.pid, flush=True)
+    proc.wait()
+    """
+)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+@pytest.mark.parametrize("delay", [0.0, 3.0])
+def test_exec_child_ends_with_a_sigkilled_parent(delay):
+    """A server-like child (its own session, another program) ends at once when its parent is
+    SIGKILLed before it set the signal (delay 3: killed during its start-up) or after (delay
+    0); its poll is 600 s here, so only the signal or the start-up check can end it."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SERVER_LIKE.format(delay=delay)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        child = int(proc.stdout.readline())
+        if delay == 0.0:
+            time.sleep(2.0)  # it has set the signal by now (imports take < 2 s)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        deadline = time.time() + delay + 20
+        while time.time() < deadline and _alive(child):
+            time.sleep(0.1)
+        assert not _alive(child)
+    finally:
+        proc.kill()
+
+
 def test_layout_checked_at_the_trainer_world(tiny_hf_config):
     from megatron_sat.config import load_config
 

@@ -12,7 +12,15 @@ child, so it must be set between ``fork`` and the child's own code:
   queue served by a *forked* manager (megatron-core 0.19 starts a ``spawn`` ``Manager``, a
   fresh interpreter the hook cannot reach, which outlived a killed trainer);
 - multiprocessing's resource tracker reads a pipe every child inherits and exits at its EOF,
-  i.e. once the trainer and its children are gone.
+  i.e. once the trainer and its children are gone;
+- a child that runs another program (``subprocess.Popen``: the embedded rollout servers) gets
+  ``parent_env()`` in its environment and calls ``end_with_parent()`` first thing: it sets the
+  signal itself (it survives ``execve``, but ``preexec_fn`` is unsafe in a threaded trainer)
+  and then checks that its parent is still the process that started it, since a parent killed
+  before the ``prctl`` (e.g. while the child imports torch) would never send it. The signal
+  follows the parent *thread*, so it is set only for a child started from the main thread
+  (a worker thread may end long before the trainer); the others, and every child, also poll
+  their parent (the backstop, within ``poll_s``).
 
 Only Linux has the signal; elsewhere the helpers do nothing and say so (``False``).
 """
@@ -22,10 +30,15 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import os
 import signal
 import sys
+import threading
+import time
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+PARENT_PID_ENV = "MEGATRON_SAT_PARENT_PID"  # the pid the child must see as its parent
+PDEATHSIG_ENV = "MEGATRON_SAT_PDEATHSIG"  # "1": the child sets the parent-death signal
 
 
 def set_pdeathsig(sig: int = signal.SIGKILL) -> bool:
@@ -55,8 +68,6 @@ def install_fork_pdeathsig() -> bool:
     """
     if not sys.platform.startswith("linux"):
         return False
-    import os
-
     os.register_at_fork(after_in_child=set_pdeathsig)
     return True
 
@@ -87,3 +98,45 @@ def fork_manager_for_dist_checkpointing() -> bool:
 
     filesystem_async.get_write_results_queue = get_write_results_queue
     return True
+
+
+def parent_env() -> dict[str, str]:
+    """Environment entries for a child process (``subprocess.Popen(env=...)``) that calls
+    ``end_with_parent``: this process's pid, and whether the child may set the parent-death
+    signal (only when started from the main thread, which lives as long as the process)."""
+    main = threading.current_thread() is threading.main_thread()
+    return {PARENT_PID_ENV: str(os.getpid()), PDEATHSIG_ENV: "1" if main else "0"}
+
+
+def end_with_parent(poll_s: float = 2.0, on_exit=None) -> int:
+    """In a child started with ``parent_env()``: end this process when its parent ends, also
+    when the parent is SIGKILLed. Call it before any slow start-up work.
+
+    Sets ``PR_SET_PDEATHSIG`` (SIGKILL) when allowed, then exits at once (``os._exit(0)``)
+    if the parent is already gone, then starts a daemon thread that polls ``os.getppid()``
+    every ``poll_s`` seconds and exits when it changes. Without ``parent_env()`` the parent
+    is whatever ``os.getppid()`` is now, and only the poll runs.
+
+    Args:
+        poll_s: seconds between two looks at the parent pid.
+        on_exit: called with the parent pid just before a polled exit (e.g. a log line).
+
+    Returns:
+        The parent pid watched.
+    """
+    expected = os.environ.get(PARENT_PID_ENV)
+    parent = int(expected) if expected else os.getppid()
+    if expected and os.environ.get(PDEATHSIG_ENV) == "1":
+        set_pdeathsig()
+    if os.getppid() != parent:  # it died before the signal was set: nobody will send it
+        os._exit(0)
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        if on_exit is not None:
+            on_exit(parent)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+    return parent

@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import yaml
 
+from megatron_sat.platform.lifetime import parent_env
 from megatron_sat.rollout.auth import ServerKeys
 from megatron_sat.rollout.client import SGLangClient
 
@@ -60,6 +61,10 @@ class EmbeddedServer:
 
     ``restart()`` replaces a dead (or live) process by a fresh one at a new port: it serves the
     checkpoint's weights under weight_version "default" until the trainer pushes weights.
+
+    The server ends with this process, also when this one is SIGKILLed (the parent-death
+    signal when started from the main thread, and a poll of its parent pid:
+    ``platform.lifetime.end_with_parent``), and its port is freed with it.
     """
 
     host = "127.0.0.1"
@@ -150,7 +155,8 @@ class EmbeddedServer:
                 self.command(self.port),
                 stdout=self._log,
                 stderr=subprocess.STDOUT,
-                env={**os.environ, **self.config.env},
+                # Its pid, so the server ends with this process even after a SIGKILL.
+                env={**os.environ, **self.config.env, **parent_env()},
                 # Its own session: a Ctrl-C in the terminal reaches the trainer only, which then
                 # shuts the server down in order instead of losing it mid-step.
                 start_new_session=True,

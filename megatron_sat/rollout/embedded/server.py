@@ -729,6 +729,8 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     config = parse_args(argv)
+    # Before the model loads: a trainer killed meanwhile must not leave this server behind.
+    _exit_with_parent()
     start = time.perf_counter()
     state = ServerState(config)
     logger.info(
@@ -737,22 +739,20 @@ def main(argv: list[str] | None = None) -> None:
         time.perf_counter() - start,
         config.random_seed,
     )
-    _exit_with_parent()
     uvicorn.run(create_app(state), host=config.host, port=config.port, log_level="warning")
 
 
 def _exit_with_parent(poll_s: float = 2.0) -> None:
-    """End this server when the process that started it dies (it runs in its own session, so
-    no terminal signal reaches it; a killed trainer must not leave it behind)."""
-    parent = os.getppid()
+    """End this server when the process that started it dies, also by SIGKILL (it runs in
+    its own session, so no terminal signal reaches it): the parent-death signal and a poll of
+    the parent pid (``platform.lifetime.end_with_parent``; ``EmbeddedServer`` passes the
+    parent's pid)."""
+    from megatron_sat.platform.lifetime import end_with_parent
 
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(poll_s)
+    def log(parent: int) -> None:
         logger.warning("parent process %d exited; shutting down", parent)
-        os._exit(0)
 
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+    end_with_parent(poll_s, on_exit=log)
 
 
 if __name__ == "__main__":
