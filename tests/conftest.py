@@ -16,15 +16,20 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_torchrun(
-    script: str, *args: str, done: str, timeout: int = 600, env: dict | None = None
+    script: str,
+    *args: str,
+    done: str,
+    timeout: int = 600,
+    env: dict | None = None,
+    nproc: int = 2,
 ) -> subprocess.CompletedProcess:
-    """``torchrun --nproc_per_node=2 script args`` from the repository root (one thread per rank,
-    this checkout's package first on the path); asserts exit 0 and the ``done`` marker in
-    stdout, showing the tails of both streams otherwise."""
+    """``torchrun --nproc_per_node=nproc script args`` (2 by default) from the repository root
+    (one thread per rank, this checkout's package first on the path); asserts exit 0 and the
+    ``done`` marker in stdout, showing the tails of both streams otherwise."""
     torchrun = Path(sys.executable).with_name("torchrun")
     full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), **(env or {}))
     proc = subprocess.run(
-        [str(torchrun), "--standalone", "--nproc_per_node=2", script, *args],
+        [str(torchrun), "--standalone", f"--nproc_per_node={nproc}", script, *args],
         cwd=ROOT,
         env=full_env,
         capture_output=True,

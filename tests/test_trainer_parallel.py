@@ -314,14 +314,3 @@ def test_wall_time_is_reported(parallel_run):
     seconds = {n: r["layout"][0]["seconds"] for n, r in results.items() if n != "refusal"}
     print(f"\ntorchrun wall {wall:.1f} s; per case {seconds}")
     assert wall < 900
-
-
-def test_pipeline_parallelism_is_refused(megatron_world, tiny_hf_config):
-    with pytest.raises(ValueError, match="pipeline_model_parallel_size=2.*PP = 1 only"):
-        PolicyTrainer(
-            tiny_hf_config,
-            TrainConfig(**TRAIN, micro_batch_size=4),
-            ParallelConfig(pipeline_model_parallel_size=2),
-            pad_token_id=0,
-            load_from=None,
-        )

@@ -34,7 +34,11 @@ from megatron_sat.routing.slicing import moe_layer_numbers, router_token_order
 from megatron_sat.training.batching import MicroBatch, build_micro_batch
 from megatron_sat.training.distrib_optimizer_fix import realign_param_group_index_map
 from megatron_sat.training.distributed import ParallelConfig, init_distributed
-from megatron_sat.training.logprobs import forward_log_probs, forward_log_probs_and_entropy
+from megatron_sat.training.logprobs import (
+    forward_log_probs,
+    forward_log_probs_and_entropy,
+    model_log_probs,
+)
 from megatron_sat.training.loss_reduction import (
     MetricAccumulator,
     dp_loss_scale,
@@ -49,6 +53,7 @@ from megatron_sat.training.micro_batches import (
 )
 from megatron_sat.training.optimizer_layout import resolve_optimizer_layout
 from megatron_sat.training.packing import PackedMicroBatch, dense_packing_rows, pack_rows
+from megatron_sat.training.pipeline import run_pipeline_schedule
 
 
 def _host_copy(tensor: torch.Tensor, pin: bool) -> torch.Tensor:
@@ -75,7 +80,10 @@ class PolicyTrainer:
     ``transformer_config_from_hf``), expert parallelism (EP, experts split over ranks and
     reached by the token dispatcher's all-to-all), and data parallelism over what is left
     (megatron-core's data-parallel group: world / TP for dense weights, world / (expert TP x EP)
-    for expert weights). Pipeline parallelism is refused.
+    for expert weights), and pipeline parallelism (PP: each rank builds its stage's layers,
+    the embedding on the first stage and the output layer on the last, and the steps run
+    megatron-core's 1F1B schedule, ``training.pipeline``; the log-probs, losses and metrics
+    exist on the last stage and the step's metrics are broadcast from it to every stage).
 
     Who passes which samples to ``rl_step`` / ``sft_step``: every rank of one data-parallel
     rank (its TP ranks, ``parallel_state.get_data_parallel_rank()``) the same samples, and each
@@ -99,11 +107,10 @@ class PolicyTrainer:
             memory, only two host<->device copies of the shard per step.
 
     Raises:
-        ValueError: ``parallel.pipeline_model_parallel_size`` > 1 (the steps run their
-            micro-batches without a pipeline schedule), or megatron-core's parallel state was
-            already initialised with other sizes (``init_distributed`` is idempotent and would
-            silently keep them); ``parallel.context_parallel_size`` > 1 (not run by the steps
-            yet; refused without CUDA by ``init_distributed``).
+        ValueError: megatron-core's parallel state was already initialised with other sizes
+            (``init_distributed`` is idempotent and would silently keep them);
+            ``parallel.context_parallel_size`` > 1 (not run by the steps yet; refused without
+            CUDA by ``init_distributed``).
     """
 
     def __init__(
@@ -116,12 +123,6 @@ class PolicyTrainer:
         load_from: str | Path | None,
         reference: bool = False,
     ) -> None:
-        if parallel.pipeline_model_parallel_size != 1:
-            raise ValueError(
-                f"parallel.pipeline_model_parallel_size={parallel.pipeline_model_parallel_size}: "
-                "the trainer supports PP = 1 only (its steps run micro-batches without a "
-                "pipeline schedule); use tensor_model_parallel_size / expert_model_parallel_size"
-            )
         from megatron.core import parallel_state
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -159,6 +160,14 @@ class PolicyTrainer:
             ),
             recompute_num_layers=train.recompute_num_layers,
         )
+        # Pipeline stages: this rank's layers (megatron-core's even split), the embedding on
+        # the first stage and the output layer on the last; the steps then run megatron-core's
+        # schedule (training.pipeline), whose contract these two fields are.
+        self.pp_size = parallel_state.get_pipeline_model_parallel_world_size()
+        self.is_last_stage = parallel_state.is_pipeline_last_stage()
+        if self.pp_size > 1:
+            self.config.calculate_per_token_loss = True
+            self.config.variable_seq_lengths = True
         # On the CPU megatron-core initialises on the host (use_cpu_initialization) from
         # torch's default generator, which model_parallel_cuda_manual_seed leaves alone: seed
         # it, as Megatron's _set_random_seed does, or every run starts from other random
@@ -168,7 +177,12 @@ class PolicyTrainer:
         # experts e and e + E/EP would start equal). Dense weights are then made equal across
         # data-parallel ranks by the DDP broadcast below.
         torch.manual_seed(train.seed + 1000 * parallel_state.get_expert_model_parallel_rank())
-        model = build_gpt_model(self.hf_config, self.config)
+        model = build_gpt_model(
+            self.hf_config,
+            self.config,
+            pre_process=parallel_state.is_pipeline_first_stage(),
+            post_process=self.is_last_stage,
+        )
         # Routers (weight, expert_bias, token counts) in float32 also in a bf16 model; before
         # the load (which copies into the parameters' dtype) and before DDP buckets by dtype.
         keep_router_fp32(model)
@@ -356,26 +370,47 @@ class PolicyTrainer:
                 (``capture_routing``).
             mb: the micro-batch, with routes.
         """
+        return self._topk_agreements(self._topk_counts(captured, mb)[None])[0]
+
+    def _topk_counts(self, captured: dict[int, torch.Tensor], mb: MicroBatch) -> torch.Tensor:
+        """float64 [2]: this rank's (MoE layer, active token) pairs (its stage's layers, its
+        sequence shard) whose experts equal the rollout's, and all such pairs; zeros for a
+        micro-batch without routes. No collective."""
         from megatron.core import parallel_state
 
+        counts = torch.zeros(2, dtype=torch.float64)
+        if mb.routes is None:
+            return counts
         coords = dict(
             tp_rank=parallel_state.get_tensor_model_parallel_rank(),
             tp_size=self.tp_size,
             sequence_parallel=self.sequence_parallel,
         )
         active = router_token_order(mb.active, **coords)
-        counts = torch.zeros(2, dtype=torch.float64)
         for layer, used in captured.items():
             rollout = router_token_order(mb.routes[:, :, layer - 1], **coords).long()
             rollout_map = torch.zeros_like(used).scatter_(1, rollout.to(used.device), True)
             same = (rollout_map == used).all(dim=1)[active.to(used.device)]
             counts[0] += float(same.sum())
             counts[1] += same.numel()
+        return counts
+
+    def _topk_agreements(self, counts: torch.Tensor) -> list[float]:
+        """Per micro-batch, the agreement of ``counts`` [M, 2] (``_topk_counts``) summed over
+        the TP group under sequence parallelism and over the pipeline stages (each holds its
+        own layers): the same values on every rank (0.0 without a pair). A collective over
+        those groups."""
+        from megatron.core import parallel_state
+
         if self.sequence_parallel and self.tp_size > 1:
             torch.distributed.all_reduce(
                 counts, group=parallel_state.get_tensor_model_parallel_group()
             )
-        return float(counts[0] / counts[1]) if counts[1] > 0 else 0.0
+        if self.pp_size > 1:
+            torch.distributed.all_reduce(
+                counts, group=parallel_state.get_pipeline_model_parallel_group()
+            )
+        return [same / total if total > 0 else 0.0 for same, total in counts.tolist()]
 
     def _finish_grads(self) -> None:
         """Complete every gradient after the backward passes: the DDP reduction over the data-
@@ -392,6 +427,29 @@ class PolicyTrainer:
 
         self.model.finish_grad_sync()
         _allreduce_non_tensor_model_parallel_grads([self.model], self.config)
+        if self.pp_size > 1:
+            # Tied embeddings: the first stage's embedding and the last stage's output layer
+            # are one weight held twice; their gradients are summed (a no-op when untied).
+            from megatron.core.distributed.finalize_model_grads import (
+                _allreduce_word_embedding_grads,
+            )
+
+            _allreduce_word_embedding_grads([self.model], self.config)
+
+    def _from_last_stage(self, metrics: dict[str, float]) -> dict[str, float]:
+        """The last pipeline stage's ``metrics`` on every stage (a broadcast over the pipeline
+        group; ``metrics`` itself at PP = 1): only that stage computes log-probs and losses."""
+        from megatron.core import parallel_state
+
+        if self.pp_size == 1:
+            return metrics
+        box = [metrics]
+        torch.distributed.broadcast_object_list(
+            box,
+            src=parallel_state.get_pipeline_model_parallel_last_rank(),
+            group=parallel_state.get_pipeline_model_parallel_group(),
+        )
+        return box[0]
 
     # -- steps ---------------------------------------------------------------------------
     def rl_step(
@@ -516,7 +574,7 @@ class PolicyTrainer:
                 lp for lp, _ in self._no_grad_log_probs(forwards, replay=use_r3, reference=True)
             ][: len(mbs)]
         quantile = None
-        if global_q:
+        if global_q and self.is_last_stage:  # (log-probs exist on the last stage only)
             abs_d = [
                 sat_abs_staleness(
                     lp, o if recomputed else mb.rollout_log_probs, mb.loss_mask, objective
@@ -527,6 +585,8 @@ class PolicyTrainer:
 
         acc = MetricAccumulator()
         for mb, (lp, match) in zip(mbs, live, strict=True):
+            if lp is None:  # a pipeline stage before the last: no log-probs, no metrics
+                continue
             n = float(mb.loss_mask.sum())
             diff = ((lp - mb.rollout_log_probs).abs() * mb.loss_mask).sum() / max(n, 1.0)
             acc.add(
@@ -537,7 +597,34 @@ class PolicyTrainer:
         self.model.train()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        for i, mb in enumerate(forwards):
+
+        def loss_of(i: int, log_probs: torch.Tensor, entropy: torch.Tensor | None):
+            return policy_loss(
+                log_probs,
+                mbs[i].rollout_log_probs,
+                mbs[i].advantages,
+                mbs[i].loss_mask,
+                objective,
+                ref_log_probs=ref[i],
+                old_log_probs=old[i],
+                global_num_tokens=num_tokens,
+                global_num_seqs=num_seqs,
+                sat_quantile=quantile,
+                sample_age=to_device(ages_tensor(ages, rows[i]), self.device),
+                entropy=entropy,
+            )
+
+        if self.pp_size > 1:  # megatron-core's schedule runs every forward and backward
+            for mb_metrics in self._pipelined_train(
+                forwards,
+                len(mbs),
+                loss_of,
+                scale,
+                replay=use_r3,
+                entropy=objective.entropy_coef > 0,
+            ):
+                acc.add(mb_metrics)
+        for i, mb in enumerate(forwards if self.pp_size == 1 else []):
             replay = self._replayed(mb, training=True) if use_r3 else contextlib.nullcontext()
             with replay, capture_routing(self.model) as used:
                 entropy = None
@@ -548,20 +635,7 @@ class PolicyTrainer:
                 if i >= len(mbs):  # filler: keeps the all-to-alls of the backward in step
                     (log_probs.sum() * 0.0).backward()
                     continue
-                loss, mb_metrics = policy_loss(
-                    log_probs,
-                    mb.rollout_log_probs,
-                    mb.advantages,
-                    mb.loss_mask,
-                    objective,
-                    ref_log_probs=ref[i],
-                    old_log_probs=old[i],
-                    global_num_tokens=num_tokens,
-                    global_num_seqs=num_seqs,
-                    sat_quantile=quantile,
-                    sample_age=to_device(ages_tensor(ages, rows[i]), self.device),
-                    entropy=entropy,
-                )
+                loss, mb_metrics = loss_of(i, log_probs, entropy)
                 (loss * scale).backward()
             mb_metrics["loss"] = loss.detach()  # this micro-batch's share of the global loss
             if use_r3:
@@ -571,7 +645,7 @@ class PolicyTrainer:
         update_ok, grad_norm, _ = self.optimizer.step()
         if not update_ok:
             raise RuntimeError("optimizer step was skipped (non-finite gradients)")
-        metrics = acc.reduce(group)
+        metrics = self._from_last_stage(acc.reduce(group))
         if "is_weight_sq_mean" in metrics:  # the global ess, not a mean of per-batch ones
             metrics["ess"] = ess_from_moments(
                 metrics["is_weight_mean"], metrics["is_weight_sq_mean"]
@@ -607,12 +681,107 @@ class PolicyTrainer:
         self.model.eval()
         out = []
         with self._reference_weights() if reference else contextlib.nullcontext():
+            if self.pp_size > 1:
+                return self._pipelined_log_probs(mbs, replay)
             for mb in mbs:
                 ctx = self._replayed(mb, training=False) if replay else contextlib.nullcontext()
                 with ctx, capture_routing(self.model) as used:
                     log_probs = forward_log_probs(self.model, mb)
                 out.append((log_probs, self._topk_agreement(used, mb)))
         return out
+
+    def _stage_replay(self, mbs: Sequence[MicroBatch], *, training: bool):
+        """One R3 replay session over all ``mbs`` (this stage's layers of each micro-batch's
+        routes); the schedule's forward step names the micro-batch (``micro_batch(i)``)."""
+        routes = {
+            i: self.routing.routes_for(mb.routes, mb.routes_valid) for i, mb in enumerate(mbs)
+        }
+        return self.routing.replay(routes, training=training, audit=False)
+
+    def _pipelined_log_probs(
+        self, mbs: list[MicroBatch], replay: bool
+    ) -> list[tuple[torch.Tensor | None, float | None]]:
+        """``_no_grad_log_probs`` under pipeline parallelism (call it under ``no_grad``): one
+        forward-only run of megatron-core's schedule. The log-probs [B, S] exist on the last
+        stage (None on the others); the top-k agreement is summed over the stages' layers and
+        is the same on every rank (None for a micro-batch without routes)."""
+        counts = torch.zeros(len(mbs), 2, dtype=torch.float64)
+        log_probs: dict[int, torch.Tensor] = {}
+
+        def forward(chunk, mb, i):
+            ctx = self.routing.micro_batch(i) if replay else contextlib.nullcontext()
+            with ctx, capture_routing(chunk) as used:
+                output = model_log_probs(chunk, mb)
+            counts[i] = self._topk_counts(used, mb)
+            if self.is_last_stage:
+                log_probs[i] = mb.to_sample_layout(output)
+            return output, None
+
+        with self._stage_replay(mbs, training=False) if replay else contextlib.nullcontext():
+            run_pipeline_schedule(self.model, mbs, forward, forward_only=True)
+        matches = self._topk_agreements(counts)
+        return [
+            (log_probs.get(i), None if mb.routes is None else match)
+            for i, (mb, match) in enumerate(zip(mbs, matches, strict=True))
+        ]
+
+    def _pipelined_train(
+        self,
+        forwards: list[MicroBatch],
+        num_real: int,
+        loss_of,
+        scale: float,
+        *,
+        replay: bool,
+        entropy: bool,
+    ) -> list[dict]:
+        """Forward and backward of ``forwards`` through megatron-core's pipeline schedule
+        (1F1B), with R3 replay of each stage's layers when ``replay``.
+
+        Args:
+            forwards: the micro-batches, the fillers after the first ``num_real``.
+            loss_of: ``(index, log_probs [N, S], entropy [N, S] or None) -> (loss, metrics)``,
+                run on the last stage; the loss is the micro-batch's share of the global loss.
+            scale: factor on each loss before backward (``dp_loss_scale``).
+            replay: replay the rollout routes (R3); also adds ``topk_match_r3`` (a collective
+                over the TP and pipeline groups after the schedule).
+            entropy: the last stage's forward also gives the entropy.
+
+        Returns:
+            On the last stage, per real micro-batch its metrics plus ``loss`` (its share of
+            the global loss); on the other stages an empty list.
+        """
+        counts = torch.zeros(len(forwards), 2, dtype=torch.float64)
+        metrics: dict[int, dict] = {}
+
+        def forward(chunk, mb, i):
+            ctx = self.routing.micro_batch(i) if replay else contextlib.nullcontext()
+            ent = None
+            with ctx, capture_routing(chunk) as used:
+                if self.is_last_stage and entropy:
+                    output, ent = forward_log_probs_and_entropy(chunk, mb)
+                elif self.is_last_stage:
+                    output = forward_log_probs(chunk, mb)
+                else:
+                    output = model_log_probs(chunk, mb)  # the stage's hidden states
+            counts[i] = self._topk_counts(used, mb)
+
+            def loss_fn(log_probs):
+                if i >= num_real:  # filler: keeps the all-to-alls of the backward in step
+                    return log_probs.sum() * 0.0
+                loss, mb_metrics = loss_of(i, log_probs, ent)
+                metrics[i] = dict(mb_metrics, loss=loss.detach())
+                return loss * scale
+
+            return output, loss_fn
+
+        with self._stage_replay(forwards, training=True) if replay else contextlib.nullcontext():
+            run_pipeline_schedule(self.model, forwards, forward, forward_only=False)
+        if replay:
+            for i, match in enumerate(self._topk_agreements(counts)[:num_real]):
+                if i in metrics:
+                    metrics[i]["topk_match_r3"] = match
+        return [metrics[i] for i in range(num_real)] if self.is_last_stage else []
 
     @contextlib.contextmanager
     def _reference_weights(self) -> Iterator[None]:
@@ -653,7 +822,13 @@ class PolicyTrainer:
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         acc = MetricAccumulator()
-        for i, mb in enumerate(forwards):
+        if self.pp_size > 1:
+            nll = lambda i, lp, _: (-(lp * mbs[i].loss_mask).sum() / num_tokens, {})  # noqa: E731
+            for mb_metrics in self._pipelined_train(
+                forwards, len(mbs), nll, scale, replay=False, entropy=False
+            ):
+                acc.add(mb_metrics)
+        for i, mb in enumerate(forwards if self.pp_size == 1 else []):
             log_probs = forward_log_probs(self.model, mb)
             if i >= len(mbs):  # filler (see rl_step)
                 (log_probs.sum() * 0.0).backward()
@@ -663,7 +838,8 @@ class PolicyTrainer:
             acc.add({"loss": loss.detach()})
         self._finish_grads()
         _, grad_norm, _ = self.optimizer.step()
-        return {"loss": acc.reduce(group)["loss"], "grad_norm": float(grad_norm)}
+        loss = self._from_last_stage(acc.reduce(group))["loss"]
+        return {"loss": loss, "grad_norm": float(grad_norm)}
 
     # -- weights -------------------------------------------------------------------------
     def hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
