@@ -1,21 +1,35 @@
-"""Weight-sync throughput: our bucketed SGLang-protocol push vs a raw broadcast of the same bytes.
+"""Weight-sync throughput: our bucketed SGLang-protocol push, SGLang's per-tensor protocol, a raw
+broadcast of the same bytes and a memcpy, side by side in one run.
 
-Side by side in one run, on this machine, to one embedded rollout server over a gloo group:
+To one embedded rollout server over a gloo group, on this machine, in ``--rounds`` rounds; each
+round measures, one after the other:
 
-- ``ours``: ``WeightUpdater.update`` of a model's fp32 tensors (pause, flush, flattened
-  buckets, version commit, continue), bytes/s.
-- ``raw``: one ``torch.distributed`` broadcast of the same total bytes as a flat tensor between
-  two processes of an ordinary gloo world (the collective's own speed), bytes/s.
+- ``raw``: one ``torch.distributed`` broadcast of the model's total bytes as a flat tensor
+  between two processes of an ordinary gloo world (the collective's own speed; the two
+  processes live across rounds).
+- ``copy``: packing the model's tensors into a reused flat buffer (``buckets.pack_into``), the
+  work a protocol with one copy per side adds on each side (the sender packs, the server
+  copies into its parameters).
+- ``ours``: ``WeightUpdater.update`` with flattened buckets of ``--bucket-megabytes`` (pause,
+  begin, buckets with bucket k+1 gathered and packed while bucket k is on the wire, version,
+  end, continue).
+- ``per_tensor``: the same update with SGLang's per-tensor protocol as slime and verl use it
+  (``load_format`` null: one broadcast per tensor, all enqueued then awaited, per bucket of the
+  same size; the server receives each tensor into a fresh buffer).
 
-- ``copy``: one memcpy of the same tensors into a flat buffer, the work SGLang's protocol adds
-  on each side (the sender packs a bucket, the server copies it into its parameters), bytes/s.
+Per round: ``ratio`` = raw / ours (seconds inverted: throughputs), ``ratio_ceiling`` = raw /
+(raw + 2 copies), what a sync with one copy per side can reach when nothing overlaps,
+``ratio_vs_ceiling`` = ratio / ratio_ceiling, ``vs_per_tensor`` = ours' throughput over the
+per-tensor protocol's. The headline figures use each measurement's best time over the rounds
+(the machine's capability; on a loaded machine one slow round says little); their spread over
+the rounds (min, median, max of the per-round values) is in ``rounds``. The last line is JSON.
+On a CPU a memcpy runs at only a few times the speed of a loopback gloo broadcast, so the
+ceiling is far below 1; on GPUs HBM copies are one to two orders of magnitude faster than the
+NCCL transfer and it is close to 1.
 
-The last line is JSON with the figures, ``ratio`` = ours / raw (issue #5 goal: >= 0.9) and
-``ratio_ceiling`` = raw / (raw + 2 copies): what a sync with one copy per side can reach on this
-machine at best. On a CPU a memcpy runs at only a few times the speed of a loopback gloo
-broadcast, so the ceiling is far below 1 (on GPUs, HBM copies are one to two orders of magnitude
-faster than the NCCL transfer and the ceiling is close to 1).
-Usage: ``python bench/weight_sync.py [--megabytes 256] [--repeats 3]``.
+Usage: ``python bench/weight_sync.py [--megabytes 256] [--rounds 5] [--bucket-megabytes 32]
+[--dtype float32|bfloat16]`` (bfloat16: every float tensor cast to bf16 and a bf16 server, the
+wire of a bf16 trainer).
 """
 
 from __future__ import annotations
@@ -23,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -35,56 +50,69 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 
-def _raw_worker(rank: int, port: int, nbytes: int, repeats: int, out) -> None:
+def _raw_worker(rank: int, port: int, nbytes: int, commands, out) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     flat = torch.zeros(nbytes, dtype=torch.uint8)
     dist.broadcast(flat, src=0)  # warm-up
-    times = []
-    for _ in range(repeats):
+    while commands.get() == "go":
         dist.barrier()
         t0 = time.perf_counter()
         dist.broadcast(flat, src=0)
         dist.barrier()
-        times.append(time.perf_counter() - t0)
-    if rank == 0:
-        out.put(min(times))
+        if rank == 0:
+            out.put(time.perf_counter() - t0)
     dist.destroy_process_group()
 
 
-def raw_broadcast_seconds(nbytes: int, repeats: int) -> float:
-    """Best time of one gloo broadcast of ``nbytes`` between two processes, seconds."""
-    from megatron_sat.training.distributed import free_port
+class RawBroadcast:
+    """Two processes of a gloo world that time one broadcast of ``nbytes`` per ``seconds()``."""
 
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [
-        ctx.Process(target=_raw_worker, args=(r, port, nbytes, repeats, queue)) for r in range(2)
-    ]
-    for p in procs:
-        p.start()
-    seconds = queue.get(timeout=600)
-    for p in procs:
-        p.join()
-    return seconds
+    def __init__(self, nbytes: int) -> None:
+        from megatron_sat.training.distributed import free_port
+
+        ctx = mp.get_context("spawn")
+        self._out = ctx.Queue()
+        self._commands = [ctx.Queue(), ctx.Queue()]
+        port = free_port()
+        self._procs = [
+            ctx.Process(target=_raw_worker, args=(r, port, nbytes, self._commands[r], self._out))
+            for r in range(2)
+        ]
+        for p in self._procs:
+            p.start()
+
+    def seconds(self) -> float:
+        for q in self._commands:
+            q.put("go")
+        return self._out.get(timeout=600)
+
+    def close(self) -> None:
+        for q in self._commands:
+            q.put("stop")
+        for p in self._procs:
+            p.join(timeout=60)
 
 
-def copy_seconds(tensors: list[torch.Tensor], repeats: int) -> float:
-    """Best time of packing ``tensors`` into a reused flat uint8 buffer, seconds."""
-    flat = torch.empty(sum(t.numel() * t.element_size() for t in tensors), dtype=torch.uint8)
-    best = float("inf")
-    for _ in range(repeats + 1):  # the first pass faults the buffer's pages in
-        start = time.perf_counter()
-        torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors], out=flat)
-        best = min(best, time.perf_counter() - start)
-    return best
+def copy_seconds(tensors: list[torch.Tensor], flat: torch.Tensor) -> float:
+    """Time of packing ``tensors`` into the (already faulted-in) flat uint8 buffer, seconds."""
+    from megatron_sat.weight_sync.buckets import pack_into
+
+    start = time.perf_counter()
+    pack_into(tensors, flat)
+    return time.perf_counter() - start
+
+
+def _spread(values: list[float]) -> dict:
+    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--megabytes", type=float, default=256.0)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--bucket-megabytes", type=float, default=32.0)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     args = parser.parse_args()
     from conftest import make_tiny_checkpoint
     from safetensors.torch import load_file
@@ -92,10 +120,13 @@ def main() -> None:
     from megatron_sat.rollout.embedded.launch import EmbeddedServer
     from megatron_sat.weight_sync.broadcast import WeightUpdater
 
-    # The tiny architecture widened so that the model weighs about --megabytes.
+    # The tiny architecture widened so that the model weighs about --megabytes (in --dtype).
     hidden = 512
     per_layer = 4 * (8 * 3 * hidden * hidden + 4 * hidden * hidden)
+    if args.dtype == "bfloat16":
+        per_layer //= 2
     layers = max(1, round(args.megabytes * 2**20 / per_layer))
+    bucket_bytes = int(args.bucket_megabytes * 2**20)
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = make_tiny_checkpoint(
             Path(tmp),
@@ -105,31 +136,66 @@ def main() -> None:
             moe_intermediate_size=hidden,
             intermediate_size=2 * hidden,
         )
-        tensors = load_file(str(ckpt / "model.safetensors"))
+        dtype = getattr(torch, args.dtype)
+        tensors = {
+            k: v.to(dtype) if v.is_floating_point() else v
+            for k, v in load_file(str(ckpt / "model.safetensors")).items()
+        }
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-        with (
-            EmbeddedServer(ckpt, random_seed=0) as server,
-            WeightUpdater([server.client()]) as updater,
-        ):
-            updater.update(tensors.items(), weight_version="0")  # warm-up
-            ours = min(
-                updater.update(tensors.items(), weight_version=str(i + 1)).seconds
-                for i in range(args.repeats)
-            )
-            copy = copy_seconds(list(tensors.values()), args.repeats)
-    raw = raw_broadcast_seconds(nbytes, args.repeats)
+        flat = torch.ones(nbytes, dtype=torch.uint8)
+        raw = RawBroadcast(nbytes)
+        times: dict[str, list[float]] = {"raw": [], "copy": [], "ours": [], "per_tensor": []}
+        try:
+            with (
+                EmbeddedServer(ckpt, random_seed=0, dtype=args.dtype) as server,
+                WeightUpdater([server.client()], bucket_bytes=bucket_bytes) as ours,
+                WeightUpdater(
+                    [server.client()], bucket_bytes=bucket_bytes, flatten_buckets=False
+                ) as per_tensor,
+            ):
+                ours.update(tensors.items(), weight_version="warm-ours")
+                per_tensor.update(tensors.items(), weight_version="warm-per-tensor")
+                for i in range(args.rounds):
+                    times["raw"].append(raw.seconds())
+                    times["copy"].append(copy_seconds(list(tensors.values()), flat))
+                    times["ours"].append(ours.update(tensors.items(), f"ours-{i}").seconds)
+                    times["per_tensor"].append(
+                        per_tensor.update(tensors.items(), f"per-tensor-{i}").seconds
+                    )
+                    print(
+                        f"round {i}: "
+                        + ", ".join(f"{k} {v[-1] * 1e3:.0f} ms" for k, v in times.items()),
+                        flush=True,
+                    )
+        finally:
+            raw.close()
+
+    def figures(t: dict[str, float]) -> dict[str, float]:
+        ratio = t["raw"] / t["ours"]
+        ceiling = t["raw"] / (t["raw"] + 2 * t["copy"])
+        return {
+            "ratio": ratio,
+            "ratio_ceiling": ceiling,
+            "ratio_vs_ceiling": ratio / ceiling,
+            "vs_per_tensor": t["per_tensor"] / t["ours"],
+        }
+
+    best = {k: min(v) for k, v in times.items()}
+    per_round = [figures({k: v[i] for k, v in times.items()}) for i in range(args.rounds)]
     result = {
         "bytes": nbytes,
         "num_tensors": len(tensors),
-        "ours_bytes_per_s": nbytes / ours,
-        "raw_bytes_per_s": nbytes / raw,
-        "copy_bytes_per_s": nbytes / copy,
-        "ratio": raw / ours,
-        "ratio_ceiling": raw / (raw + 2 * copy),
+        "dtype": args.dtype,
+        "bucket_bytes": bucket_bytes,
+        "rounds_run": args.rounds,
+        **{f"{k}_bytes_per_s": nbytes / v for k, v in best.items()},
+        **figures(best),
+        "rounds": {k: _spread([r[k] for r in per_round]) for k in per_round[0]},
     }
     print(
-        f"ours {nbytes / ours / 1e9:.2f} GB/s, raw broadcast {nbytes / raw / 1e9:.2f} GB/s, "
-        f"memcpy {nbytes / copy / 1e9:.2f} GB/s"
+        ", ".join(f"{k} {nbytes / v / 1e9:.2f} GB/s" for k, v in best.items())
+        + f"; ratio_vs_ceiling {result['ratio_vs_ceiling']:.2f}"
+        + f", vs_per_tensor {result['vs_per_tensor']:.2f}"
     )
     print(json.dumps(result))
 

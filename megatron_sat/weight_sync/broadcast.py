@@ -3,21 +3,25 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
 from megatron_sat.rollout.client import PAUSE_MODES, SGLangClient
+from megatron_sat.weight_sync.buckets import Bucket, BucketProducer, pack_order
 from megatron_sat.weight_sync.group import (
     WeightUpdateGroup,
     create_weight_update_group,
     host_store,
 )
+
+__all__ = ["UpdateStats", "WeightSyncError", "WeightUpdater", "pack_order"]
 
 
 class WeightSyncError(RuntimeError):
@@ -54,7 +58,12 @@ class WeightUpdater:
        ...), ``shapes`` and ``group_name`` is posted to every server concurrently while rank 0
        broadcasts each tensor of the bucket, in order, with its own dtype (by default
        flattened into one uint8 broadcast per bucket, SGLang's ``flattened_bucket``); then
-       every reply is awaited. Only the final bucket carries ``weight_version``, so a
+       every reply is awaited before the next bucket is posted (a server receives whichever
+       request it dequeues first, so posting ahead could pair a request with another
+       bucket's broadcast). Meanwhile a background thread gathers (the export's collectives)
+       and packs bucket k+1 into the second of two reused staging buffers
+       (``buckets.BucketProducer``), so the sender's copy overlaps the wire. Only the final
+       bucket carries ``weight_version``, so a
        server's version changes only once all of its buckets loaded. The cache flush is
        SGLang's own, after loading (``flush_cache`` of the request; SGLang fails the update
        if the flush is refused because requests run or wait): on the final bucket for pause
@@ -76,7 +85,12 @@ class WeightUpdater:
     If some bucket was already applied somewhere, the servers hold a mix of old and new
     weights under the old version, so they are left paused and ``WeightSyncError`` says so:
     retry ``update`` (it ends with ``/continue_generation``). Buckets are lazy: at most two
-    are materialised at a time.
+    are materialised at a time (2 x ``bucket_bytes`` of staging on the group's device).
+
+    The three steps are also public (``begin_update``, ``send_buckets``, ``end_update``) for
+    a push with several senders, one per pipeline stage, each over its own group
+    (``megatron_push.push_megatron_weights``): one updater runs steps 1 and 3, every stage's
+    updater sends its own buckets in turn, the last stage's last bucket with the version.
 
     Args:
         clients: one client per server.
@@ -130,8 +144,11 @@ class WeightUpdater:
         self._pool = ThreadPoolExecutor(len(self.clients), thread_name_prefix="weight_sync")
         self._group: WeightUpdateGroup | None = None
         # Buckets are packed here, reused across updates (grown on demand): a fresh buffer per
-        # bucket costs its page faults, on a CPU about as long as the broadcast itself.
-        self._staging: torch.Tensor | None = None
+        # bucket costs its page faults, on a CPU about as long as the broadcast itself. Two:
+        # bucket k+1 is packed into one while bucket k is broadcast from the other.
+        self._staging: list[torch.Tensor | None] = [None, None]
+        self._loaded = False
+        self._began: list[SGLangClient] = []
 
     def __enter__(self) -> WeightUpdater:
         self.connect()
@@ -194,101 +211,165 @@ class WeightUpdater:
     def update(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: str
     ) -> UpdateStats:
-        """Push every tensor (HF names, e.g. per-expert ``mlp.experts.{e}.up_proj.weight``).
+        """Push every tensor (HF names, e.g. per-expert ``mlp.experts.{e}.up_proj.weight``):
+        ``begin_update``, ``send_buckets`` (the version with the last bucket), ``end_update``.
 
         Raises:
             ValueError: on an empty update, an empty version or a repeated name.
             WeightSyncError: when a server rejects a bucket or a call fails (see class docstring).
         """
-        if self._group is None:
-            raise RuntimeError("call connect() before update()")
         if not weight_version:
             raise ValueError("weight_version must be a non-empty string")
         start = time.perf_counter()
-        num_tensors = num_bytes = num_buckets = 0
-        applied_somewhere = False
-        began: list[SGLangClient] = []
+        self.begin_update()
+        try:
+            stats = self.send_buckets(named_tensors, weight_version)
+        except BaseException as e:
+            self.end_update(e)
+            raise  # end_update raised already; this is for type checkers
+        self.end_update()
+        return dataclasses.replace(stats, seconds=time.perf_counter() - start)
+
+    def begin_update(self) -> None:
+        """Step 1 on every server: ``/pause_generation``, then ``/begin_weight_update``.
+
+        Raises:
+            RuntimeError: when not connected.
+            WeightSyncError: a call failed; the sessions that opened were ended and
+                generation resumed (nothing changed on any server).
+        """
+        if self._group is None:
+            raise RuntimeError("call connect() before update()")
+        self._loaded = False
+        self._began = []
         try:
             self._on_all_servers("pause_generation", lambda c: c.pause_generation(self.pause_mode))
-            self._begin_sessions(began)
-            seen: set[str] = set()
-            buckets = _buckets(named_tensors, self.bucket_bytes)
-            bucket = next(buckets, None)
-            if bucket is None:
-                raise ValueError("update() got no tensors")
-            while bucket is not None:
-                following = next(buckets, None)
-                for name, _ in bucket:
-                    if name in seen:
-                        raise ValueError(f"tensor {name!r} appears twice in one update")
-                    seen.add(name)
-                is_last = following is None
-                num_loaded, failures = self._send_bucket(
-                    bucket, weight_version if is_last else None
-                )
-                applied_somewhere |= num_loaded > 0
+            self._begin_sessions(self._began)
+        except WeightSyncError as e:
+            self.end_update(e)
+
+    def send_buckets(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: str | None
+    ) -> UpdateStats:
+        """Step 2 over this updater's group: the buckets of ``named_tensors``, the last one
+        with ``weight_version`` and SGLang's flush (None: no bucket carries either, another
+        sender's last bucket does). Bucket k+1 is gathered and packed on a background thread
+        (``buckets.BucketProducer``) while bucket k is posted and broadcast; each bucket's
+        ``/update_weights_from_distributed`` is posted only after every server answered the
+        previous one, so a server (which receives whichever request it dequeues first) always
+        joins the broadcast its request describes. Needs the servers inside a session
+        (``begin_update``, here or on another updater of the same servers).
+
+        Returns:
+            What was sent; ``seconds`` is this call's wall time.
+
+        Raises:
+            RuntimeError: when not connected.
+            ValueError: on no tensors or a repeated name.
+            WeightSyncError: a server rejected a bucket or the broadcast failed.
+            Whatever iterating ``named_tensors`` raised. After any failure ``loaded_any`` says
+            whether some server loaded a bucket of this update.
+        """
+        if self._group is None:
+            raise RuntimeError("call connect() before update()")
+        start = time.perf_counter()
+        self._loaded = False
+        if self.backend == "nccl":
+            device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            device = torch.device("cpu")
+        num_tensors = num_bytes = num_buckets = 0
+        producer = BucketProducer(
+            named_tensors,
+            self.bucket_bytes,
+            device,
+            flatten=self.flatten_buckets,
+            staging=self._staging,
+        )
+        with producer:
+            for bucket in producer:
+                version = weight_version if bucket.is_last else None
+                num_loaded, failures = self._send_bucket(bucket, version)
+                producer.release(bucket)
+                self._loaded |= num_loaded > 0
                 if failures:
-                    names = ", ".join(name for name, _ in bucket[:3])
+                    names = ", ".join(bucket.names[:3])
                     raise WeightSyncError(
-                        f"update_weights_from_distributed of bucket {num_buckets} ({len(bucket)} "
-                        f"tensors: {names}{', ...' if len(bucket) > 3 else ''}) failed:\n"
+                        f"update_weights_from_distributed of bucket {num_buckets} "
+                        f"({len(bucket.names)} tensors: {names}"
+                        f"{', ...' if len(bucket.names) > 3 else ''}) failed:\n"
                         + "\n".join(failures)
                     )
-                num_tensors += len(bucket)
-                num_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
+                num_tensors += len(bucket.names)
+                num_bytes += bucket.num_bytes
                 num_buckets += 1
-                bucket = following
-            ending, began = began, []
-            self._on_servers("end_weight_update", ending, lambda c: c.end_weight_update())
-        except (WeightSyncError, ValueError) as e:
-            if began:
-                try:
-                    self._on_servers("end_weight_update", began, lambda c: c.end_weight_update())
-                except WeightSyncError as end_error:
-                    e = WeightSyncError(f"{e}\n{end_error}")
-            if applied_somewhere:
-                raise WeightSyncError(
-                    f"{e}\nSome servers already loaded earlier buckets; all servers stay paused "
-                    "with mixed weights under their old weight_version: retry update()."
-                ) from e
+        if num_buckets == 0:
+            raise ValueError("update() got no tensors")
+        return UpdateStats(num_tensors, num_bytes, num_buckets, time.perf_counter() - start)
+
+    @property
+    def loaded_any(self) -> bool:
+        """Whether some server loaded a bucket of the last ``send_buckets``."""
+        return self._loaded
+
+    def end_update(self, error: BaseException | None = None, *, loaded_elsewhere: bool = False):
+        """Step 3 on every server: ``/end_weight_update`` where a session is open, then
+        ``/continue_generation`` -- unless the update failed (``error``) after some server
+        loaded a bucket (here, or through another sender: ``loaded_elsewhere``): the servers
+        then stay paused with mixed weights under their old version until a retry.
+
+        Raises:
+            WeightSyncError: a call failed (after a successful update); or, given ``error``,
+                always: ``error`` itself when it is neither a ``WeightSyncError`` nor a
+                ``ValueError`` (an interrupt, the export's collective), else a
+                ``WeightSyncError`` that says in which state the servers are (a
+                ``ValueError`` raised before anything loaded is re-raised as is).
+        """
+        began, self._began = self._began, []
+        loaded = self._loaded or loaded_elsewhere
+        if error is None:
+            self._on_servers("end_weight_update", began, lambda c: c.end_weight_update())
             self._on_all_servers("continue_generation", lambda c: c.continue_generation())
-            if isinstance(e, ValueError):
-                raise
-            raise WeightSyncError(f"{e}\nNo server changed weights; generation resumed.") from e
-        except BaseException:
+            return
+        if not isinstance(error, (WeightSyncError, ValueError)):
             # Anything else (the tensor source's gather collective, a CUDA OOM while staging,
             # an interrupt) still ends the open sessions, or every retry's /begin_weight_update
             # would be refused; servers that loaded a bucket stay paused, as above.
             with contextlib.suppress(WeightSyncError):
                 if began:
                     self._on_servers("end_weight_update", began, lambda c: c.end_weight_update())
-                if not applied_somewhere:
+                if not loaded:
                     self._on_all_servers("continue_generation", lambda c: c.continue_generation())
-            raise
+            raise error
+        e = error
+        if began:
+            try:
+                self._on_servers("end_weight_update", began, lambda c: c.end_weight_update())
+            except WeightSyncError as end_error:
+                e = WeightSyncError(f"{e}\n{end_error}")
+        if loaded:
+            raise WeightSyncError(
+                f"{e}\nSome servers already loaded earlier buckets; all servers stay paused "
+                "with mixed weights under their old weight_version: retry update()."
+            ) from error
         self._on_all_servers("continue_generation", lambda c: c.continue_generation())
-        return UpdateStats(num_tensors, num_bytes, num_buckets, time.perf_counter() - start)
+        if isinstance(e, ValueError):
+            raise e
+        raise WeightSyncError(f"{e}\nNo server changed weights; generation resumed.") from error
 
-    def _send_bucket(
-        self, bucket: list[tuple[str, torch.Tensor]], weight_version: str | None
-    ) -> tuple[int, list[str]]:
+    def _send_bucket(self, bucket: Bucket, weight_version: str | None) -> tuple[int, list[str]]:
         """Post one bucket to all servers while broadcasting it.
 
         Returns:
             (servers that loaded the bucket, one line per failure).
         """
-        if self.backend == "nccl":
-            device = torch.device("cuda", torch.cuda.current_device())
-        else:
-            device = torch.device("cpu")
-        bucket = pack_order(bucket)
-        tensors = [t.detach().to(device).contiguous() for _, t in bucket]
         load_format = "flattened_bucket" if self.flatten_buckets else None
         futures = [
             self._pool.submit(
                 c.update_weights_from_distributed,
-                [name for name, _ in bucket],
-                [str(t.dtype).removeprefix("torch.") for t in tensors],
-                [list(t.shape) for t in tensors],
+                bucket.names,
+                bucket.dtypes,
+                bucket.shapes,
                 group_name=self.group_name,
                 weight_version=weight_version,
                 flush_cache=weight_version is not None and self.pause_mode != "in_place",
@@ -298,14 +379,15 @@ class WeightUpdater:
         ]
         broadcast_error = None
         try:
-            if self.flatten_buckets:
-                # One collective per bucket: many small broadcasts cost far more than their
-                # bytes (SGLang's flattened_bucket: each tensor's bytes, in order, as uint8).
-                flat = self._pack(tensors, device)
-                self._group.broadcast(flat, src=0)
+            if bucket.flat is not None:
+                # One collective per bucket (SGLang's flattened_bucket).
+                self._group.broadcast(bucket.flat, src=0)
             else:
-                for tensor in tensors:
-                    self._group.broadcast(tensor, src=0)
+                # SGLang's per-tensor protocol, as slime sends it: every tensor's broadcast
+                # enqueued, then all awaited.
+                works = [self._group.broadcast(t, src=0, async_op=True) for t in bucket.tensors]
+                for work in works:
+                    work.wait()
         except RuntimeError as e:  # gloo/nccl timeout or a peer that went away
             broadcast_error = e
         failures = _failures(self.clients, futures)
@@ -316,16 +398,6 @@ class WeightUpdater:
                 "close() and connect() again"
             )
         return num_loaded, failures
-
-    def _pack(self, tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-        """Every tensor's bytes, in order, in (a prefix of) the reused staging buffer."""
-        total = sum(t.numel() * t.element_size() for t in tensors)
-        if self._staging is None or self._staging.numel() < total:
-            self._staging = None  # free the old one before allocating its successor
-            self._staging = torch.empty(total, dtype=torch.uint8, device=device)
-        flat = self._staging[:total]
-        torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors], out=flat)
-        return flat
 
     def _begin_sessions(self, began: list[SGLangClient]) -> None:
         """``/begin_weight_update`` on every server; ``began`` gets those that opened one."""
@@ -367,7 +439,7 @@ class WeightUpdater:
             if self._group is not None:
                 self._group.destroy()
                 self._group = None
-            self._staging = None
+            self._staging = [None, None]
             self._pool.shutdown(wait=True)
 
 
@@ -380,28 +452,3 @@ def _failures(clients: Sequence[SGLangClient], futures: Sequence[Future]) -> lis
         except Exception as e:
             lines.append(f"  {client.base_url}: {e}")
     return lines
-
-
-def pack_order(bucket: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
-    """The bucket's tensors by element size, largest first (stable within a size): in the
-    flattened bucket every tensor then starts at a multiple of its element size, so a receiver
-    can view it in place (SGLang's views the bytes; a float32 tensor after an odd-length
-    bfloat16 one could not be viewed). The names travel with the tensors, so order is free."""
-    return sorted(bucket, key=lambda item: -item[1].element_size())
-
-
-def _buckets(
-    named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
-) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Consecutive groups of at most ``bucket_bytes`` bytes (a bigger tensor alone), lazily."""
-    bucket: list[tuple[str, torch.Tensor]] = []
-    size = 0
-    for name, tensor in named_tensors:
-        nbytes = tensor.numel() * tensor.element_size()
-        if bucket and size + nbytes > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, tensor))
-        size += nbytes
-    if bucket:
-        yield bucket
