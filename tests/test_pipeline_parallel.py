@@ -201,3 +201,65 @@ def test_pipeline_parallelism_needs_a_world_that_fits(megatron_world, tiny_hf_co
             pad_token_id=0,
             load_from=None,
         )
+
+
+@pytest.fixture(scope="module")
+def rl_run(tmp_path_factory, tiny_checkpoint) -> Path:
+    """The whole RL loop at PP2 (tests/dist/rl_parallel.py, 2 ranks): synchronous rollouts
+    with a weight push after every step, the sharded reference policy, a run checkpoint."""
+    import json
+
+    from megatron_sat.rollout.arith import make_arith_splits
+
+    tmp = tmp_path_factory.mktemp("rl_pp2")
+    train, test = make_arith_splits(64, 8, seed=0, max_digits=1)
+    for name, rows in (("train", train), ("test", test)):
+        (tmp / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    overrides = [
+        f"init_checkpoint={tiny_checkpoint}",
+        f"run_dir={tmp / 'pp2'}",
+        f"data.train_path={tmp / 'train.jsonl'}",
+        f"data.eval_path={tmp / 'test.jsonl'}",
+        "data.num_eval_prompts=4",
+        "rollout.prompts_per_step=3",
+        "rollout.group_size=4",
+        "rollout.max_new_tokens=4",
+        "rollout.eval_samples_per_prompt=2",
+        "rollout.temperature=1.0",
+        "train.num_steps=3",
+        "train.eval_every=3",
+        "train.micro_batch_size=4",  # 3 micro-batches through the 1F1B schedule per step
+        "train.lr=0.01",  # weights move visibly, so a stale or partial push would show
+        "objective.kl_coef=0.001",
+        "objective.entropy_coef=0.01",  # a gradient at every step whatever the rewards
+        "parallel.pipeline_model_parallel_size=2",
+    ]
+    run_torchrun(
+        "tests/dist/rl_parallel.py",
+        "pp2=" + ";".join(overrides),
+        done="RL_PARALLEL_DONE",
+        timeout=900,
+    )
+    return tmp / "pp2"
+
+
+@pytest.mark.slow
+def test_rl_loop_at_pp2_pushes_every_stage(rl_run):
+    """Each step's rollouts come from the weights the previous step pushed (interval 1), so the
+    server-vs-trainer log-prob mismatch measures the push: a push missing the second stage's
+    layer (or the output layer of the last stage) would show as a large mismatch."""
+    import json
+
+    rows = [json.loads(line) for line in (rl_run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    for row in rows[1:]:
+        assert row["train/num_seqs"] == 12
+        assert row["train/topk_match_r3"] == 1.0
+        assert row["train/mismatch_abs_logratio"] < 1e-4, row
+    assert all(prev["train/grad_norm"] > 0.0 for prev in rows[1:-1])
+    assert rows[1]["train/kl_loss"] == 0.0 and rows[-1]["train/kl_loss"] > 0.0
+    print(
+        f"\nPP2 RL loop: mismatch per step {[r['train/mismatch_abs_logratio'] for r in rows[1:]]}"
+    )
+    summary = json.loads((rl_run / "summary.json").read_text())
+    assert summary["num_steps"] == 3 and (rl_run / "checkpoint" / "config.json").exists()
