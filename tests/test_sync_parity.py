@@ -1,6 +1,7 @@
 """Weight sync from a sharded trainer: ONE torchrun launch (2 gloo ranks) of
-tests/dist/sync_parity.py pushes a TP2 and then an EP2 megatron-core model with
-``push_megatron_weights`` to one embedded rollout server. The server's log-probs of its sampled
+tests/dist/sync_parity.py pushes a TP2, an EP2 and a PP2 megatron-core model with
+``push_megatron_weights`` to one embedded rollout server (PP2: each stage sends its own layers
+over its own group, no gather to rank 0). The server's log-probs of its sampled
 probe tokens (T = 1: ``log_softmax(logits)``, all ``/generate`` exposes of its logits) must equal
 the trainer's forward to fp32 rounding after the sync, and be far from it before; a push whose
 middle bucket the server rejects must raise on both ranks without hanging or changing the
@@ -61,3 +62,27 @@ def test_rejected_bucket_fails_every_rank_without_hanging(results, case):
 def test_push_without_an_updater_is_refused_on_every_rank(results, case):
     for r in results[case]["ranks"]:
         assert r["no_holder_error"].startswith("ValueError: exactly one rank"), r
+
+
+@pytest.mark.slow
+def test_pp2_each_stage_sends_its_own_layers(results):
+    stage0, stage1 = results["pp2"]["ranks"]
+    for r in (stage0, stage1):
+        # Against a PP1 model with the same weights: both stages' layers reached the server.
+        assert r["gap_before"] > 0.1, r
+        assert r["gap_after"] <= 1e-4, r
+        assert r["tokens_compared"] >= 8
+        assert r["no_holder_error"].startswith("ValueError: exactly one rank"), r
+        assert r["one_stage_error"] is None, r  # one holder (stage 1): the single-sender path
+    # Each stage sent its own tensors only; together the whole model, none twice.
+    assert stage0["num_tensors"] + stage1["num_tensors"] == results["num_hf_tensors"]
+    assert min(stage0["num_tensors"], stage1["num_tensors"]) > 10
+    assert stage0["version_after"] == "pp2-synced"
+    # Stage 0's middle bucket rejected: stage 1 sent nothing, every rank raised, version kept.
+    assert "unknown parameter name" in stage0["rejected_error"]
+    assert "already loaded earlier buckets" in stage0["rejected_error"]
+    assert stage1["rejected_error"].startswith(
+        "WeightSyncError: weight push 'pp2-rejected' failed on rank 0"
+    ), stage1
+    assert stage0["version_one_stage"] == "pp2-one-stage"
+    assert stage0["version_after_rejected"] == "pp2-one-stage"

@@ -271,6 +271,32 @@ def export_hf_tensors(
                 yield once(hf_name), tensor
 
 
+def export_stage_hf_tensors(
+    model: torch.nn.Module, hf_config: Mapping[str, Any]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, full_tensor)`` for this pipeline stage's own tensors only.
+
+    As ``export_hf_tensors`` (TP shards and every EP rank's experts gathered, training dtype,
+    global layer numbers in the HF names), but without the PP broadcasts: each stage yields
+    what it holds, for a weight push in which every stage sends its own layers. At PP = 1 it
+    is ``export_hf_tensors``. Every rank of the stage's TP / EP groups must iterate it to the
+    end (collectives).
+
+    Raises:
+        ValueError: for a megatron-core tensor the map does not know, or an HF name produced
+            twice by this stage.
+    """
+    names = NameMap(hf_config)
+    seen: set[str] = set()
+    for unit in local_tensors(model):
+        for canonical, full in _gather_unit(unit):
+            for hf_name, tensor in names.to_hf(canonical, full):
+                if hf_name in seen:
+                    raise ValueError(f"Hugging Face tensor {hf_name!r} would be written twice")
+                seen.add(hf_name)
+                yield hf_name, tensor
+
+
 def load_hf_tensors(
     model: torch.nn.Module,
     hf_tensors: Mapping[str, torch.Tensor],

@@ -1,4 +1,4 @@
-"""Trainer -> rollout server weight sync at TP2 and at EP2 under ``torchrun --nproc_per_node=2``
+"""Trainer -> rollout server weight sync at TP2, EP2 and PP2 under ``torchrun --nproc_per_node=2``
 (gloo, CPU). Run by ``tests/test_sync_parity.py``; rank 0 prints ``SYNC_PARITY_RESULT <json>``.
 
     torchrun --nproc_per_node=2 tests/dist/sync_parity.py OUT_DIR
@@ -18,6 +18,8 @@ trainer and the server start from different weights, and:
 3. a push whose middle bucket the server rejects (a renamed tensor): both ranks raise, neither
    hangs, the server's weight_version is unchanged;
 4. the real push (:func:`push_megatron_weights`, every rank), the version, and the probe again.
+
+PP2 (``run_pp_case``): one sender per stage, rank 1 with its own updater and group.
 """
 
 from __future__ import annotations
@@ -59,18 +61,18 @@ class RejectingUpdater(WeightUpdater):
 
     reject_at: int | None = None
 
-    def update(
-        self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: str
+    def send_buckets(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: str | None
     ) -> UpdateStats:
         if self.reject_at is None:
-            return super().update(named_tensors, weight_version)
+            return super().send_buckets(named_tensors, weight_version)
         at = self.reject_at
 
         def renamed():
             for i, (name, tensor) in enumerate(named_tensors):
                 yield (f"{name}.rejected" if i == at else name), tensor
 
-        return super().update(renamed(), weight_version)
+        return super().send_buckets(renamed(), weight_version)
 
 
 def set_layout(parallel: ParallelConfig) -> None:
@@ -183,6 +185,58 @@ def run_case(name: str, parallel: ParallelConfig, seed: int, hf_dir: Path, updat
     return {"ranks": records}
 
 
+def run_pp_case(name: str, seed: int, hf_dir: Path, updater, stage_updater) -> dict:
+    """PP2, one sender per stage: rank 0 (stage 0) and rank 1 (stage 1) each push their own
+    layers over their own group. The trainer side of the probe is a PP1 model loaded with the
+    same weights (the PP2 stages cannot run a forward alone): the server must match it after
+    the push, so both stages' layers must have arrived."""
+    rank = dist.get_rank()
+    client = updater.clients[0] if updater is not None else None
+    hf_config = read_hf_config(hf_dir)
+    weights = perturbed(read_hf_tensors(hf_dir), seed)
+
+    def reference_gap() -> tuple[float, int]:
+        set_layout(ParallelConfig())
+        reference = build_model(hf_config, ParallelConfig(), torch.float32)
+        load_hf_tensors(reference, weights, hf_config)
+        return max_gap(reference, probe(client))
+
+    record: dict = {"rank": rank}
+    record["gap_before"], _ = reference_gap()
+    if client is not None:
+        record["version_before"] = client.get_weight_version()
+    set_layout(CASES_PP[name])
+    model = build_model(hf_config, CASES_PP[name], torch.float32)
+    load_hf_tensors(model, weights, hf_config)
+    mine = updater if rank == 0 else stage_updater
+    record["no_holder_error"] = attempt(
+        lambda: push_megatron_weights(model, hf_config, None, f"{name}-none")
+    )
+    record["one_stage_error"] = attempt(  # stage 1 without its sender
+        lambda: push_megatron_weights(model, hf_config, stage_updater, f"{name}-one-stage")
+    )
+    if client is not None:
+        record["version_one_stage"] = client.get_weight_version()
+        updater.reject_at = 20
+    record["rejected_error"] = attempt(
+        lambda: push_megatron_weights(model, hf_config, mine, f"{name}-rejected")
+    )
+    if updater is not None:
+        updater.reject_at = None
+        record["version_after_rejected"] = client.get_weight_version()
+    stats = push_megatron_weights(model, hf_config, mine, f"{name}-synced")
+    record.update(num_tensors=stats.num_tensors, num_buckets=stats.num_buckets)
+    if client is not None:
+        record["version_after"] = client.get_weight_version()
+    record["gap_after"], record["tokens_compared"] = reference_gap()
+    records: list = [None] * dist.get_world_size()
+    dist.all_gather_object(records, record)
+    return {"ranks": records}
+
+
+CASES_PP = {"pp2": ParallelConfig(1, 2, 1)}
+
+
 def main() -> None:
     out_dir = Path(sys.argv[1])
     init_distributed(ParallelConfig())
@@ -205,6 +259,17 @@ def main() -> None:
         dist.barrier()
         for seed, (name, parallel) in enumerate(CASES.items(), start=1):
             results[name] = run_case(name, parallel, seed, hf_dir, updater)
+        # Stage 1's own sender: rank 1 reaches the server by its URL, over a group of its own.
+        url = [updater.clients[0].base_url if updater is not None else None]
+        dist.broadcast_object_list(url, src=0)
+        stage_updater = None
+        if rank == 1:
+            stage_updater = WeightUpdater([SGLangClient(url[0])], bucket_bytes=BUCKET_BYTES)
+            stack.callback(stage_updater.close)
+            stage_updater.connect()
+        dist.barrier()
+        for seed, name in enumerate(CASES_PP, start=len(CASES) + 1):
+            results[name] = run_pp_case(name, seed, hf_dir, updater, stage_updater)
     if rank == 0:
         print("SYNC_PARITY_RESULT " + json.dumps(results), flush=True)
     dist.barrier()
