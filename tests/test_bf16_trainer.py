@@ -28,7 +28,13 @@ def test_bf16_parallel_layouts(tmp_path):
     ckpt = make_tiny_checkpoint(
         "Qwen3MoeForCausalLM", tmp_path / "ckpt", num_hidden_layers=4, num_experts=8
     )
-    run_torchrun("tests/dist/bf16_parallel.py", str(ckpt), str(tmp_path), done="BF16_PARALLEL_DONE")
+    run_torchrun(
+        "tests/dist/bf16_parallel.py",
+        str(ckpt),
+        str(tmp_path),
+        done="BF16_PARALLEL_DONE",
+        env={"BF16_PARALLEL_RESUME_DTYPE": "bf16"},
+    )
     result = torch.load(tmp_path / "result.pt", weights_only=False)
     assert set(result) == {"tp2", "ep2", "dp2"}
     for case, ranks in result.items():
@@ -62,6 +68,13 @@ def test_bf16_parallel_layouts(tmp_path):
     assert result["tp2"][0]["bf16"]["dp"] == 1
     assert (result["ep2"][0]["bf16"]["dp"], result["ep2"][0]["bf16"]["edp"]) == (2, 1)
     assert (result["dp2"][0]["bf16"]["dp"], result["dp2"][0]["bf16"]["edp"]) == (2, 2)
+    # The bf16 run at DP2 (distributed optimizer) resumed from a run checkpoint after step 1:
+    # its step 2 equals the uninterrupted step 2 bit for bit, on every rank.
+    for rank, out in enumerate(result["dp2"]):
+        continued, resumed = out["continued"], out["resumed"]
+        assert sorted(continued) == sorted(resumed)
+        different = [n for n in continued if not torch.equal(continued[n], resumed[n])]
+        assert not different, (rank, different[:5])
 
 
 def test_optimizer_layout_defaults_and_refusals():

@@ -369,6 +369,9 @@ def load_run_checkpoint(
     unwrap(model).load_state_dict(loaded["model"], strict=True)
     with torch.no_grad():  # the distributed optimizer copies into its leaf main params
         optimizer.load_state_dict(loaded["optimizer"])
+    from megatron_sat.training.distrib_optimizer_fix import restore_adam_steps
+
+    restore_adam_steps(optimizer, loaded["optimizer"])  # megatron-core 0.19 loses Adam's step
     if load_rng:
         set_rng_state(torch.load(ckpt / "rng" / f"rank_{_rank():05d}.pt", weights_only=False))
     state = torch.load(ckpt / "state.pt", weights_only=False)

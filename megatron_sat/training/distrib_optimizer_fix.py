@@ -1,4 +1,5 @@
-"""A fix of megatron-core 0.19's DistributedOptimizer for parameter groups that mix dtypes.
+"""Fixes of megatron-core 0.19's DistributedOptimizer: parameter groups that mix dtypes, a
+fresh optimizer's state dict, and Adam steps shared by every parameter after a load.
 
 ``DistributedOptimizer._build_optimizer_group_ranges`` numbers each parameter of a group in the
 order of the gradient buffers (``model_param_group_index_map[param] = (group, order)``), but
@@ -13,6 +14,8 @@ embedding range). The optimizer step itself walks the groups directly and was ri
 """
 
 from __future__ import annotations
+
+import torch
 
 
 def realign_param_group_index_map(optimizer) -> int:
@@ -53,3 +56,55 @@ def init_states_for_loading(optimizer) -> None:
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
         if isinstance(opt, DistributedOptimizer) and not opt.optimizer.state:
             opt._init_optimizer_states_with_dummy_values()
+
+
+def restore_adam_steps(optimizer, state_dict) -> int:
+    """After ``optimizer.load_state_dict(state_dict)``, give every parameter of every
+    DistributedOptimizer inside ``optimizer`` its own Adam ``step`` tensor holding the step of
+    the checkpoint; returns how many parameters were corrected.
+
+    Without apex or transformer-engine (torch's AdamW, as on CPU) megatron-core 0.19's
+    ``DistributedOptimizer.load_state_dict`` breaks the step twice: it sets ``state["step"]``
+    of every parameter to ONE shared ``torch.tensor(step)`` from the parameter groups, and the
+    ``dp_reshardable`` parameter-state load then ``copy_``s into it the step of the template
+    it was given (our ``init_states_for_loading``: 1), not the checkpoint's. A resumed run
+    therefore restarted Adam's bias correction at step 1, and torch's AdamW, incrementing each
+    parameter's step in place, gave parameter i step 2 + i (weights off by up to 0.4 x lr
+    after one step at DP2; ``tests/test_checkpoint_parallel.py``). With apex's or TE's fused
+    Adam the step lives in the parameter groups, no state holds a step tensor, and nothing
+    changes.
+
+    Args:
+        optimizer: the megatron-core optimizer (or ChainedOptimizer) just loaded.
+        state_dict: what it was loaded from (one optimizer's dict, or the chain's list or
+            index-keyed dict of them).
+
+    Raises:
+        ValueError: when a checkpoint's parameter groups disagree on the step.
+    """
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    optimizers = getattr(optimizer, "chained_optimizers", [optimizer])
+    if len(optimizers) == 1:
+        states = [state_dict]
+    elif isinstance(state_dict, dict):
+        states = [v for _, v in sorted(state_dict.items())]
+    else:
+        states = list(state_dict)
+    corrected = 0
+    for opt, state in zip(optimizers, states, strict=True):
+        if not isinstance(opt, DistributedOptimizer):
+            continue
+        groups = state["optimizer"]["param_groups"]
+        steps = {float(g["step"]) for g in groups if g.get("step") is not None}
+        if not steps:
+            continue
+        if len(steps) != 1:
+            raise ValueError(f"checkpoint's optimizer parameter groups disagree on step: {steps}")
+        (step,) = steps
+        for param_state in opt.optimizer.state.values():
+            old = param_state.get("step")
+            if torch.is_tensor(old):
+                param_state["step"] = torch.tensor(step, dtype=old.dtype, device=old.device)
+                corrected += 1
+    return corrected

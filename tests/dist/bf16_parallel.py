@@ -13,7 +13,7 @@ builds an fp32 and a bf16 ``PolicyTrainer`` from the same tiny HF checkpoint and
 - with ``BF16_PARALLEL_RESUME_DTYPE=bf16`` (or fp32), at ``dp2``: resume of the distributed
   optimizer. The trainer saves a run checkpoint after step 1 and runs step 2; a fresh trainer
   loads that checkpoint and runs the same step 2; both export their weights (``continued``,
-  ``resumed``). Not bit-exact yet (a diagnostic, not asserted by the pytest test).
+  ``resumed``), asserted bit-identical by the pytest test (bf16).
 ``BF16_PARALLEL_CASES=dp2,...`` picks cases.
 
 Rank 0 writes OUT_DIR/result.pt and prints ``BF16_PARALLEL_DONE``.

@@ -232,21 +232,24 @@ def sft_batch(vocab: int):
     return samples
 
 
-def run_resume_dp2(root: Path, k: int = 2) -> dict:
+def run_resume_dp2(root: Path, *, distributed_optimizer: bool, k: int = 2) -> dict:
     from megatron_sat.checkpoint.run_state import load_run_checkpoint, save_run_checkpoint
     from megatron_sat.config import TrainConfig
     from megatron_sat.training.trainer import PolicyTrainer
 
     hf_dir = root / "Qwen3MoeForCausalLM" / "hf"
+    run_dir = root / ("run_distopt" if distributed_optimizer else "run")
     set_layout(ParallelConfig())
     hf_config = read_hf_config(hf_dir)
     vocab = hf_config["vocab_size"]
-    # The plain (replicated) optimizer: with megatron-core's DistributedOptimizer, the default
-    # at DP2, a resumed run is not yet bit-exact (weights differ by ~4e-4 after a step; an open
-    # defect of issue 13, reproduced by tests/dist/bf16_parallel.py with
-    # BF16_PARALLEL_RESUME_DTYPE=fp32), so this pins what does resume exactly.
+    # Both optimizers: the replicated one and megatron-core's DistributedOptimizer (the default
+    # at DP2), whose load once gave every parameter one shared Adam step tensor.
     train = TrainConfig(
-        lr=3e-3, micro_batch_size=3, use_r3=False, seed=5, use_distributed_optimizer=False
+        lr=3e-3,
+        micro_batch_size=3,
+        use_r3=False,
+        seed=5,
+        use_distributed_optimizer=distributed_optimizer,
     )
 
     def trainer() -> PolicyTrainer:
@@ -259,10 +262,10 @@ def run_resume_dp2(root: Path, k: int = 2) -> dict:
     first = trainer()
     for _ in range(k):
         first.sft_step(sft_batch(vocab))
-    save_run_checkpoint(root / "run", model=first.model, optimizer=first.optimizer, step=k)
+    save_run_checkpoint(run_dir, model=first.model, optimizer=first.optimizer, step=k)
     torch.manual_seed(7)
     resumed = trainer()
-    state = load_run_checkpoint(root / "run", model=resumed.model, optimizer=resumed.optimizer)
+    state = load_run_checkpoint(run_dir, model=resumed.model, optimizer=resumed.optimizer)
     loss = resumed.sft_step(sft_batch(vocab))["loss"]
     expected = dict(straight.model.module.named_parameters())
     different = [
@@ -283,7 +286,8 @@ def main() -> None:
     archs = sys.argv[2:] or list(TINY_CONFIGS)
     results = {arch: run_arch(arch, root) for arch in archs}
     if "Qwen3MoeForCausalLM" in archs:
-        results["resume_dp2"] = run_resume_dp2(root)
+        results["resume_dp2"] = run_resume_dp2(root, distributed_optimizer=False)
+        results["resume_dp2_distopt"] = run_resume_dp2(root, distributed_optimizer=True)
     if dist.get_rank() == 0:
         print("CKPT_RESULT " + json.dumps(results), flush=True)
     dist.barrier()
