@@ -65,8 +65,8 @@ CRASH_AT_ENV = "MEGATRON_SAT_CRASH_AT"
 
 def _install_crash_hook(spec: str | None) -> None:
     """Crash tests only: ``MEGATRON_SAT_CRASH_AT=<phase>:<step>`` SIGKILLs this process at
-    that phase of the run checkpoint commit of that step (phases ``written``, ``renamed``,
-    ``committed``; see ``checkpoint.run_state``). Unset: nothing is installed.
+    that phase of the run checkpoint commit of that step (phases ``writing``, ``written``,
+    ``renamed``, ``committed``; see ``checkpoint.run_state``). Unset: nothing is installed.
 
     Raises:
         SystemExit: (2) for a malformed value, naming the variable.

@@ -35,6 +35,7 @@ Per-server request accounting (utilisation, samples and tokens per server index)
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections import deque
 from collections.abc import Iterator, Sequence
@@ -349,16 +350,26 @@ class AsyncRolloutPool:
         and sample counters. Batch ``next_batch + lag`` and later are re-created by the rule
         (admitted at the version the checkpoint holds, per-request seeds), not exported.
 
+        In bounded mode which version produced which token depends on timing, so no rule can
+        re-create the batches ahead: the pool is quiesced instead (``_quiesce``: every worker
+        finishes its request in flight and leaves it delivered or queued, then new workers
+        start) and everything admitted is exported as it is at that instant: each batch
+        ``>= next_batch``'s finished samples and unfinished slots, every queued request with
+        its partial response, log-probs and per-token versions (``on_update="resume"``), its
+        attempts and ``sampling_seed``, and the counters. What happens after the checkpoint
+        depends on timing again, in the uninterrupted run as in the resumed one.
+
         Returns:
-            ``{"batches": [samples of each complete batch], "drawn": int, "next_group": int,
-            "next_index": int}`` (picklable).
+            fixed lag: ``{"batches": [samples of each complete batch], "drawn": int,
+            "next_group": int, "next_index": int}``; bounded: ``_export_bounded``'s dict
+            (``"mode": "bounded"``). Picklable; batch indices relative to ``next_batch``.
 
         Raises:
-            ValueError: in bounded mode (which version produced which token depends on timing)
-                or when a batch that must be complete is not.
+            ValueError: when a batch that must be complete is not (fixed lag).
+            RuntimeError: (bounded) when a worker does not finish its request in 60 s.
         """
-        if self.config.mode != "fixed_lag":
-            raise ValueError("async_pool.export_state: only fixed_lag mode is exact on resume")
+        if self.config.mode == "bounded":
+            return self._export_bounded(next_batch)
         lag = self.config.lag
         with self._cond:
             batches = []
@@ -382,12 +393,25 @@ class AsyncRolloutPool:
         ``0 .. lag - 1`` of this pool (its caller positioned the prompt stream at the exported
         ``drawn``), so the batch admitted next is the one the checkpointed pool would have.
 
+        A bounded-mode state (``"mode": "bounded"``) is put back as exported: its batches as
+        batches ``0 ..`` (finished samples, unfinished slots), its queued requests with their
+        partial responses, and the counters (the caller positions the prompt stream at
+        ``drawn``, everything the exported pool had drawn).
+
         Raises:
             RuntimeError: after ``start``.
-            ValueError: for a state of another lag.
+            ValueError: for a state of another lag or mode.
         """
         if self._started:
             raise RuntimeError("restore_state after start()")
+        if (state.get("mode") == "bounded") != (self.config.mode == "bounded"):
+            raise ValueError(
+                f"pool state of mode {state.get('mode', 'fixed_lag')!r} for async_pool.mode="
+                f"{self.config.mode!r}"
+            )
+        if state.get("mode") == "bounded":
+            self._restore_bounded(state)
+            return
         if len(state["batches"]) != self.config.lag:
             raise ValueError(
                 f"pool state holds {len(state['batches'])} batches, async_pool.lag is "
@@ -403,6 +427,89 @@ class AsyncRolloutPool:
                 self._done[b], self._pending[b], self._replacements[b] = groups, 0, 0
                 self._first_draw[b] = 0
             self._next_batch = len(state["batches"])
+            self._next_group = state["next_group"]
+            self._next_index = state["next_index"]
+            self._index_floor = state["next_index"]
+
+    def _quiesce(self) -> None:
+        """Let every worker finish its request in flight (delivered, or queued again with its
+        partial output) and exit, then start new ones for the live slots; the caller holds
+        nothing. Between the two the pool's state stands still (the exporter reads it then).
+
+        Raises:
+            RuntimeError: when a worker is still busy after 60 s.
+        """
+        with self._cond:
+            self._stopped = True
+            self._cond.notify_all()
+            threads, self._threads = list(self._threads), []
+        for thread in threads:
+            thread.join(timeout=60)
+            if thread.is_alive():
+                raise RuntimeError(f"rollout worker {thread.name} busy for 60 s at a checkpoint")
+
+    def _export_bounded(self, next_batch: int) -> dict:
+        """Bounded mode's ``export_state`` (see there): the pool stands still while read."""
+        started = self._started
+        if started:
+            self._quiesce()
+        try:
+            with self._cond:
+                self._raise_if_failed()
+                batches = []
+                for b in range(next_batch, self._next_batch):
+                    groups = self._done[b]
+                    batches.append(
+                        {
+                            "groups": {
+                                g: [None if s is None else dataclasses.asdict(s) for s in slots]
+                                for g, slots in groups.items()
+                            },
+                            "pending": self._pending[b],
+                            "replacements": self._replacements[b],
+                            "first_draw": self._first_draw.get(b, self._drawn) - self._drawn,
+                        }
+                    )
+                queue = []
+                for job in self._queue:
+                    entry = dataclasses.asdict(job)
+                    entry["batch"] -= next_batch
+                    queue.append(entry)
+                return {
+                    "mode": "bounded",
+                    "batches": batches,
+                    "queue": queue,
+                    "drawn": self._drawn,
+                    "version": self._version - next_batch,
+                    "next_group": self._next_group,
+                    "next_index": self._next_index,
+                }
+        finally:
+            if started:
+                with self._cond:
+                    self._stopped = False
+                    for i in sorted(self._alive):
+                        self._spawn_worker(i)
+
+    def _restore_bounded(self, state: dict) -> None:
+        """Bounded mode's ``restore_state`` (see there); the caller checked the mode."""
+        with self._cond:
+            for b, batch in enumerate(state["batches"]):
+                self._done[b] = {
+                    int(g): [None if s is None else Sample(**s) for s in slots]
+                    for g, slots in batch["groups"].items()
+                }
+                self._pending[b] = batch["pending"]
+                self._replacements[b] = batch["replacements"]
+                self._first_draw[b] = batch["first_draw"]
+                self._first_group[b] = min(self._done[b], default=state["next_group"])
+            for entry in state["queue"]:
+                entry = dict(entry)
+                record = entry.pop("record")
+                record = record if isinstance(record, PromptRecord) else PromptRecord(**record)
+                self._queue.append(_Job(record=record, **entry))
+            self._next_batch = len(state["batches"])
+            self._version = state["version"]
             self._next_group = state["next_group"]
             self._next_index = state["next_index"]
             self._index_floor = state["next_index"]

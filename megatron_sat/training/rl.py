@@ -497,11 +497,14 @@ def _lead(
             )
             pools.append(async_pool)
             restored = {} if state is None else state.rollout_state
-            if restored.get("batches") is not None and ro.mode == "fixed_lag":
-                # The batches generated ahead of the checkpoint, exactly as they were.
+            if restored.get("batches") is not None:
+                # The batches generated ahead of the checkpoint, exactly as they were (bounded
+                # mode: with the requests in flight then, see AsyncRolloutPool.export_state).
                 async_pool.restore_state(restored)
         restart_s = 0.0  # of the current step
         filtered_groups = 0  # synchronous mode's replaced groups, since the start
+        # The cumulative counters logged at the checkpoint resumed from: this process counts on.
+        counted = {} if state is None else state.extra.get("counters", {})
 
         def push() -> PushReport:
             """The trainer's weights as ``version`` to every server, dead ones replaced."""
@@ -622,23 +625,24 @@ def _lead(
             now = meter.snapshot()
             metrics.update(server_metrics(snapshot, now))
             snapshot = now
-            metrics.update(
-                {
-                    "rollout/reissued": float(sum(p.stats.reissued for p in pools)),
-                    "rollout/dead_servers": float(len(fleet.down)),
-                    "rollout/server_restarts": float(sum(fleet.restarts)),
-                    "rollout/filtered_groups": float(
-                        filtered_groups
-                        + (0 if async_pool is None else async_pool.stats.filtered_groups)
-                    ),
-                }
-            )
+            counters = {
+                "rollout/reissued": float(sum(p.stats.reissued for p in pools)),
+                "rollout/server_restarts": float(sum(fleet.restarts)),
+                "rollout/filtered_groups": float(
+                    filtered_groups
+                    + (0 if async_pool is None else async_pool.stats.filtered_groups)
+                ),
+            }
+            counters = {k: counted.get(k, 0.0) + v for k, v in counters.items()}
+            metrics.update(counters)
+            metrics["rollout/dead_servers"] = float(len(fleet.down))
             logger.log(step, metrics)
             followers.tell("save", step)
             drawn = prompts.consumed  # the prompts admitted ahead are drawn again on resume
             pool_state = None
-            if async_pool is not None and ro.mode == "fixed_lag" and due(cfg, step):
-                # Exact: the complete batches ahead are saved, the next one re-created.
+            if async_pool is not None and due(cfg, step):
+                # Fixed lag: the complete batches ahead are saved, the next one re-created;
+                # bounded: everything admitted, as it stands at the checkpoint.
                 pool_state = async_pool.export_state(step - first_step + 1)
                 drawn = pool_start + pool_state["drawn"]
             elif async_pool is not None:
@@ -651,6 +655,7 @@ def _lead(
                 initial=initial,
                 prompts=drawn,
                 rollout_state=pool_state,
+                counters=counters,
             )
             followers.idle()
             progress.set_postfix(
@@ -696,10 +701,12 @@ def save_if_due(
     initial: dict | None,
     prompts: int | None = None,
     rollout_state: dict | None = None,
+    counters: dict[str, float] | None = None,
 ) -> None:
     """Run checkpoint after ``step`` every ``train.save_every`` steps and after the last one
     (collective: every rank calls it; rank 0's version and data position, ``prompts``
-    consumed from the prompt stream by the batches trained on so far, are written)."""
+    consumed from the prompt stream by the batches trained on so far, are written, with the
+    cumulative ``counters`` logged at ``step``, which a resumed run counts on from)."""
     if not due(cfg, step):
         return
     save_run_checkpoint(
@@ -710,7 +717,7 @@ def save_if_due(
         weight_version=version or 0,
         data_state={"prompts_consumed": prompts or 0},
         rollout_state=rollout_state,
-        extra={"initial_eval": initial or {}},
+        extra={"initial_eval": initial or {}, "counters": counters or {}},
     )
 
 

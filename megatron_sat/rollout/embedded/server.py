@@ -70,6 +70,7 @@ import logging
 import math
 import os
 import secrets
+import signal
 import threading
 import time
 import uuid
@@ -241,6 +242,7 @@ class _Scheduler:
     def _between_steps(self) -> bool:
         """Polled by the engine between decode steps: True aborts the batch; in an "in_place"
         pause the batch waits here, without the model lock, until resumed or aborted."""
+        _crash_hook()
         if self._abort.is_set():
             return True
         with self._cond:
@@ -740,6 +742,28 @@ def main(argv: list[str] | None = None) -> None:
         config.random_seed,
     )
     uvicorn.run(create_app(state), host=config.host, port=config.port, log_level="warning")
+
+
+SERVER_CRASH_AT_ENV = "MEGATRON_SAT_SERVER_CRASH_AT"
+_decode_steps = 0
+
+
+def _crash_hook() -> None:
+    """Crash tests only: ``MEGATRON_SAT_SERVER_CRASH_AT=<n>:<marker>`` SIGKILLs this server
+    at its ``n``-th decode step (mid-generation), once per marker file: the first server to
+    get there creates the marker, so its restarted successor (same environment) runs on."""
+    global _decode_steps
+    spec = os.environ.get(SERVER_CRASH_AT_ENV)
+    if not spec:
+        return
+    _decode_steps += 1
+    steps, _, marker = spec.partition(":")
+    if _decode_steps == int(steps):
+        try:
+            os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _exit_with_parent(poll_s: float = 2.0) -> None:
