@@ -12,7 +12,8 @@ routers replay.
 
 A case with ``resume`` then checks a run checkpoint at its layout: a trainer that ran step 1
 saves, a second step follows; a fresh trainer loads the checkpoint and runs the same second
-step: its metrics and weights must be bit-identical.
+step: its metrics and weights must be bit-identical. A case with ``sft`` runs one ``sft_step``
+after the RL step and exports the weights again.
 
 Rank 0 writes OUT_DIR/result.pt ({case name: {...}}) and prints ``PP_PARALLEL_DONE`` at the end.
 """
@@ -83,6 +84,10 @@ def run_case(spec: dict, case: dict, out_dir: str) -> dict:
         "recomputes": dict(first.routing._report.recomputes),
         "metrics": metrics,
     }
+    record = {"weights": weights, "grads": grads}
+    if case.get("sft"):  # then one supervised step through the same schedule
+        layout["sft"] = first.sft_step(spec["samples"])
+        record["sft_weights"] = {name: t.detach().clone() for name, t in first.hf_tensors()}
     if case.get("resume"):
         run_dir = Path(out_dir) / f"run_{case['name']}"
         save_run_checkpoint(
@@ -110,7 +115,7 @@ def run_case(spec: dict, case: dict, out_dir: str) -> dict:
     layout["seconds"] = round(time.perf_counter() - start, 2)
     layouts: list = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(layouts, layout)
-    return {"weights": weights, "grads": grads, "layout": layouts}
+    return dict(record, layout=layouts)
 
 
 def main(spec_path: str, out_dir: str) -> None:
