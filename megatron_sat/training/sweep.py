@@ -549,10 +549,11 @@ def _figures(grid, done, metrics, stats, out_dir: Path) -> None:
 
     fig, axes = plt.subplots(1, len(grid.lags), figsize=(6 * len(grid.lags), 4), squeeze=False)
     for ax, lag in zip(axes[0], grid.lags, strict=True):
-        for row in grid.rows:
+        for k, row in enumerate(grid.rows):
             cells = [c for c in done if c.row.id == row.id and c.lag == lag]
-            if cells:  # the first seed's curve per method
-                ax.plot(*curve(cells[0].index), label=row.label)
+            if cells:  # the first seed's curve per method; 20 colours x 2 styles tell 13+ apart
+                style = "-" if k % 2 == 0 else "--"
+                ax.plot(*curve(cells[0].index), style, color=plt.cm.tab20(k % 20), label=row.label)
         ax.set(title=f"lag {lag}: |log pi - log mu|", xlabel="step", yscale="log")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=6)
