@@ -2,7 +2,7 @@
 broadcast of the same bytes and a memcpy, side by side in one run.
 
 To one embedded rollout server over a gloo group, on this machine, in ``--rounds`` rounds; each
-round measures, one after the other:
+round measures:
 
 - ``raw``: one ``torch.distributed`` broadcast of the model's total bytes as a flat tensor
   between two processes of an ordinary gloo world (the collective's own speed; the two
@@ -10,15 +10,19 @@ round measures, one after the other:
 - ``copy``: packing the model's tensors into a reused flat buffer (``buckets.pack_into``), the
   work a protocol with one copy per side adds on each side (the sender packs, the server
   copies into its parameters).
-- ``ours``: ``WeightUpdater.update`` with flattened buckets of ``--bucket-megabytes`` (pause,
-  begin, buckets with bucket k+1 gathered and packed while bucket k is on the wire, version,
-  end, continue).
+- ``ours``: ``WeightUpdater.update`` with its defaults for gloo, buckets of
+  ``--bucket-megabytes`` (pause, begin, buckets with bucket k+1 gathered and packed while
+  bucket k is on the wire, version, end, continue): tensors below ``unpacked_from_bytes``
+  (256 KiB on gloo, ``platform.host_copy``) flattened, larger ones in buckets of their own
+  with one broadcast each (on gloo a 1 MiB message travels faster than a 32 MiB one and needs
+  no packing copy; on nccl everything is flattened).
 - ``per_tensor``: the same update with SGLang's per-tensor protocol as slime and verl use it
   (``load_format`` null: one broadcast per tensor, all enqueued then awaited, per bucket of the
   same size; the server receives each tensor into a fresh buffer).
 
-Per round: ``ratio`` = raw / ours (seconds inverted: throughputs), ``ratio_ceiling`` = raw /
-(raw + 2 copies), what a sync with one copy per side can reach when nothing overlaps,
+The two protocols run in alternating order. Per round: ``ratio`` = raw / ours (seconds
+inverted: throughputs), ``ratio_ceiling`` = raw / (raw + 2 copies), what a sync with one
+copy per side can reach when nothing overlaps,
 ``ratio_vs_ceiling`` = ratio / ratio_ceiling, ``vs_per_tensor`` = ours' throughput over the
 per-tensor protocol's. The headline figures use each measurement's best time over the rounds
 (the machine's capability; on a loaded machine one slow round says little); their spread over
@@ -153,15 +157,17 @@ def main() -> None:
                     [server.client()], bucket_bytes=bucket_bytes, flatten_buckets=False
                 ) as per_tensor,
             ):
+                unpacked_from = ours.unpacked_from_bytes
                 ours.update(tensors.items(), weight_version="warm-ours")
                 per_tensor.update(tensors.items(), weight_version="warm-per-tensor")
                 for i in range(args.rounds):
                     times["raw"].append(raw.seconds())
                     times["copy"].append(copy_seconds(list(tensors.values()), flat))
-                    times["ours"].append(ours.update(tensors.items(), f"ours-{i}").seconds)
-                    times["per_tensor"].append(
-                        per_tensor.update(tensors.items(), f"per-tensor-{i}").seconds
-                    )
+                    # Alternate which protocol goes first: on a loaded machine the one after
+                    # the memcpy would otherwise always meet the same cache and scheduler state.
+                    pair = [("ours", ours), ("per_tensor", per_tensor)]
+                    for key, updater in pair if i % 2 == 0 else pair[::-1]:
+                        times[key].append(updater.update(tensors.items(), f"{key}-{i}").seconds)
                     print(
                         f"round {i}: "
                         + ", ".join(f"{k} {v[-1] * 1e3:.0f} ms" for k, v in times.items()),
@@ -187,6 +193,7 @@ def main() -> None:
         "num_tensors": len(tensors),
         "dtype": args.dtype,
         "bucket_bytes": bucket_bytes,
+        "unpacked_from_bytes": unpacked_from,
         "rounds_run": args.rounds,
         **{f"{k}_bytes_per_s": nbytes / v for k, v in best.items()},
         **figures(best),

@@ -35,7 +35,7 @@ def _model_like() -> list[tuple[str, torch.Tensor]]:
 def test_iter_buckets_respects_the_limit_and_marks_the_last():
     tensors = [(f"t{i}", torch.zeros(n)) for i, n in enumerate([3, 3, 10, 1, 1])]  # fp32 bytes
     groups = list(iter_buckets(tensors, bucket_bytes=24))
-    assert [([n for n, _ in b], last) for b, last in groups] == [
+    assert [([n for n, _ in b], last) for b, last, packed in groups if packed] == [
         (["t0", "t1"], False),
         (["t2"], False),  # 40 bytes > 24: alone
         (["t3", "t4"], True),
@@ -136,3 +136,51 @@ def test_copy_bytes_into_checks_sizes():
     with pytest.raises(ValueError, match=r"uint8 \[14\]"):
         copy_bytes_into(torch.empty(13, dtype=torch.uint8), [a, b])
     assert torch.equal(pack_into([a], torch.zeros(100, dtype=torch.uint8)).view(torch.int16), a)
+
+
+def test_large_tensors_form_unpacked_buckets_of_their_own():
+    tensors = [("s0", torch.zeros(2)), ("L0", torch.zeros(8)), ("s1", torch.zeros(2))]
+    tensors += [("L1", torch.zeros(8)), ("L2", torch.zeros(8)), ("s2", torch.zeros(1))]
+    groups = list(iter_buckets(tensors, bucket_bytes=64, unpacked_from_bytes=32))
+    assert [([n for n, _ in g], last, packed) for g, last, packed in groups] == [
+        (["L0", "L1"], False, False),  # 64 bytes: L2 does not fit
+        (["s0", "s1", "s2"], False, True),
+        (["L2"], True, False),
+    ]
+
+
+@pytest.mark.slow
+def test_mixed_wire_formats_load_the_same_weights(tiny_checkpoint):
+    """Small tensors flattened, large ones one broadcast each: the server ends with exactly
+    the weights an all-flattened push of the same tensors gives (bitwise-equal log-probs of
+    seeded samples), and another push in between changes them (the check can fail)."""
+    from safetensors.torch import load_file
+
+    from megatron_sat.rollout.client import SamplingParams
+    from megatron_sat.rollout.embedded.launch import EmbeddedServer
+    from megatron_sat.weight_sync.broadcast import WeightUpdater
+
+    base = sorted(load_file(str(tiny_checkpoint / "model.safetensors")).items())
+    gen = torch.Generator().manual_seed(0)
+    a = [(n, t + 0.05 * torch.randn(t.shape, generator=gen)) for n, t in base]
+    b = [(n, t - 0.05 * torch.randn(t.shape, generator=gen)) for n, t in base]
+    sizes = sorted(t.numel() * t.element_size() for _, t in a)
+    split = sizes[len(sizes) // 2]  # about half the tensors travel unpacked
+    params = SamplingParams(temperature=1.0, max_new_tokens=6, sampling_seed=7)
+
+    def logprobs(client):
+        return [o.output_token_logprobs for o in client.generate([[5, 6, 7], [9, 1]], params)]
+
+    with EmbeddedServer(tiny_checkpoint, random_seed=0) as server:
+        client = server.client()
+        with (
+            WeightUpdater([client], bucket_bytes=4096, unpacked_from_bytes=split) as mixed,
+            WeightUpdater([client], bucket_bytes=4096, unpacked_from_bytes=None) as flat,
+        ):
+            stats = mixed.update(a, weight_version="a-mixed")
+            assert stats.num_tensors == len(a)
+            with_mixed = logprobs(client)
+            flat.update(b, weight_version="b")
+            assert logprobs(client) != with_mixed
+            flat.update(a, weight_version="a-flat")
+            assert logprobs(client) == with_mixed

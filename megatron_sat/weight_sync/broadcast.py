@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_sat.platform.host_copy import unpacked_from_bytes as platform_unpacked_from_bytes
 from megatron_sat.rollout.client import PAUSE_MODES, SGLangClient
 from megatron_sat.weight_sync.buckets import Bucket, BucketProducer, pack_order
 from megatron_sat.weight_sync.group import (
@@ -62,7 +63,9 @@ class WeightUpdater:
        request it dequeues first, so posting ahead could pair a request with another
        bucket's broadcast). Meanwhile a background thread gathers (the export's collectives)
        and packs bucket k+1 into the second of two reused staging buffers
-       (``buckets.BucketProducer``), so the sender's copy overlaps the wire. Only the final
+       (``buckets.BucketProducer``), so the sender's copy overlaps the wire. Tensors of at
+       least ``unpacked_from_bytes`` (gloo default 256 KiB; none on nccl) go in buckets of
+       their own, sent per tensor (``load_format`` null), no packing. Only the final
        bucket carries ``weight_version``, so a
        server's version changes only once all of its buckets loaded. The cache flush is
        SGLang's own, after loading (``flush_cache`` of the request; SGLang fails the update
@@ -106,6 +109,11 @@ class WeightUpdater:
         timeout_s: rendezvous and broadcast timeout, seconds.
         flatten_buckets: send each bucket as one uint8 broadcast (``load_format=
             "flattened_bucket"``, as SGLang) instead of one broadcast per tensor.
+        unpacked_from_bytes: with ``flatten_buckets``, tensors of at least this many bytes
+            travel in buckets of their own, one broadcast per tensor (``load_format`` null:
+            no packing copy on either side), the smaller ones flattened; "auto": the
+            platform's choice for ``backend`` (``platform.host_copy.unpacked_from_bytes``:
+            256 KiB on gloo, everything flattened on nccl); None: everything flattened.
     """
 
     def __init__(
@@ -121,6 +129,7 @@ class WeightUpdater:
         pause_mode: str = "retract",
         timeout_s: float = 600.0,
         flatten_buckets: bool = True,
+        unpacked_from_bytes: int | None | str = "auto",
     ) -> None:
         if not clients:
             raise ValueError("clients must not be empty")
@@ -140,6 +149,15 @@ class WeightUpdater:
         self.pause_mode = pause_mode
         self.timeout_s = timeout_s
         self.flatten_buckets = flatten_buckets
+        if unpacked_from_bytes == "auto":
+            unpacked_from_bytes = platform_unpacked_from_bytes(backend)
+        if unpacked_from_bytes is not None and (
+            isinstance(unpacked_from_bytes, str) or unpacked_from_bytes < 1
+        ):
+            raise ValueError(
+                f"unpacked_from_bytes must be 'auto', None or >= 1, got {unpacked_from_bytes!r}"
+            )
+        self.unpacked_from_bytes = unpacked_from_bytes
         self.world_size = 1 + sum(self.ranks_per_server)
         self._pool = ThreadPoolExecutor(len(self.clients), thread_name_prefix="weight_sync")
         self._group: WeightUpdateGroup | None = None
@@ -285,6 +303,7 @@ class WeightUpdater:
             device,
             flatten=self.flatten_buckets,
             staging=self._staging,
+            unpacked_from_bytes=self.unpacked_from_bytes,
         )
         with producer:
             for bucket in producer:
@@ -363,7 +382,7 @@ class WeightUpdater:
         Returns:
             (servers that loaded the bucket, one line per failure).
         """
-        load_format = "flattened_bucket" if self.flatten_buckets else None
+        load_format = "flattened_bucket" if bucket.flat is not None else None
         futures = [
             self._pool.submit(
                 c.update_weights_from_distributed,

@@ -61,31 +61,41 @@ def pack_order(bucket: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.
 
 
 def iter_buckets(
-    named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
-) -> Iterator[tuple[list[tuple[str, torch.Tensor]], bool]]:
-    """Consecutive groups of at most ``bucket_bytes`` bytes (a bigger tensor alone), lazily,
-    each with whether it is the last. A group is yielded as soon as the next tensor does not
-    fit, so the source is never read more than one tensor ahead.
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    bucket_bytes: int,
+    unpacked_from_bytes: int | None = None,
+) -> Iterator[tuple[list[tuple[str, torch.Tensor]], bool, bool]]:
+    """Groups of at most ``bucket_bytes`` bytes (a bigger tensor alone), lazily, each with
+    whether it is the last and whether it is to be packed.
+
+    Without ``unpacked_from_bytes`` every group is packed and consecutive: a group is yielded
+    as soon as the next tensor does not fit, so the source is never read more than one tensor
+    ahead. With it, tensors of at least that many bytes form groups of their own, sent
+    unpacked (one broadcast each), and the smaller ones packed groups; each kind is yielded
+    when its next tensor does not fit, and the packed group pending at a time holds at most
+    ``bucket_bytes`` of tensors read earlier.
 
     Raises:
         ValueError: on ``bucket_bytes`` < 1 or a name seen twice.
     """
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
-    bucket: list[tuple[str, torch.Tensor]] = []
-    size = 0
+    pending: dict[bool, list[tuple[str, torch.Tensor]]] = {True: [], False: []}
+    size = {True: 0, False: 0}
     seen: set[str] = set()
     for name, tensor in named_tensors:
         if name in seen:
             raise ValueError(f"tensor {name!r} appears twice in one update")
         seen.add(name)
-        if bucket and size + nbytes(tensor) > bucket_bytes:
-            yield bucket, False
-            bucket, size = [], 0
-        bucket.append((name, tensor))
-        size += nbytes(tensor)
-    if bucket:
-        yield bucket, True
+        packed = unpacked_from_bytes is None or nbytes(tensor) < unpacked_from_bytes
+        if pending[packed] and size[packed] + nbytes(tensor) > bucket_bytes:
+            yield pending[packed], False, packed
+            pending[packed], size[packed] = [], 0
+        pending[packed].append((name, tensor))
+        size[packed] += nbytes(tensor)
+    rest = [(group, packed) for packed, group in pending.items() if group]
+    for i, (group, packed) in enumerate(rest):
+        yield group, i == len(rest) - 1, packed
 
 
 def pack_into(tensors: list[torch.Tensor], staging: torch.Tensor) -> torch.Tensor:
@@ -126,6 +136,8 @@ class BucketProducer:
         flatten: pack each bucket (SGLang's ``flattened_bucket``); else only gather ahead.
         staging: the reused staging buffers, one per bucket in flight (entries are replaced
             when a bucket needs a bigger one; None: not allocated yet).
+        unpacked_from_bytes: with ``flatten``, tensors of at least this many bytes travel
+            unpacked, in buckets of their own (``iter_buckets``); None: all packed.
     """
 
     _DONE = object()
@@ -138,6 +150,7 @@ class BucketProducer:
         *,
         flatten: bool,
         staging: list[torch.Tensor | None],
+        unpacked_from_bytes: int | None = None,
     ) -> None:
         if not staging:
             raise ValueError("staging needs at least one slot")
@@ -145,6 +158,7 @@ class BucketProducer:
         self._bucket_bytes = bucket_bytes
         self._device = device
         self._flatten = flatten
+        self._unpacked_from_bytes = unpacked_from_bytes if flatten else None
         self._staging = staging
         self._ready: queue.Queue = queue.Queue()
         self._free: queue.Queue = queue.Queue()
@@ -187,7 +201,7 @@ class BucketProducer:
 
     def _run(self) -> None:
         try:
-            groups = iter_buckets(self._source, self._bucket_bytes)
+            groups = iter_buckets(self._source, self._bucket_bytes, self._unpacked_from_bytes)
             while True:
                 # A slot first, then the next group: at most len(staging) buckets (and the
                 # one tensor iter_buckets reads ahead) exist at a time.
@@ -197,18 +211,18 @@ class BucketProducer:
                 item = next(groups, None)
                 if item is None:
                     break
-                group, is_last = item
-                self._ready.put(self._build(pack_order(group), is_last, slot, event))
+                group, is_last, packed = item
+                self._ready.put(self._build(pack_order(group), is_last, packed, slot, event))
             self._ready.put(self._DONE)
         except BaseException as e:  # handed to the sender, which re-raises it
             self._ready.put(e)
 
-    def _build(self, group, is_last: bool, slot: int, event):
+    def _build(self, group, is_last: bool, packed: bool, slot: int, event):
         names = [name for name, _ in group]
         dtypes = [str(t.dtype).removeprefix("torch.") for _, t in group]
         shapes = [list(t.shape) for _, t in group]
         total = sum(nbytes(t) for _, t in group)
-        if not self._flatten:
+        if not (self._flatten and packed):
             tensors = [t.detach().to(self._device).contiguous() for _, t in group]
             return Bucket(names, dtypes, shapes, is_last, total, tensors=tensors, slot=slot), None
         context = contextlib.nullcontext()
