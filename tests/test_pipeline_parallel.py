@@ -2,9 +2,10 @@
 
 From the same HF checkpoint and the same global batch with R3 routes, ONE SAT-GSPO ``rl_step``
 (with the entropy bonus) at PP2 (2 ranks: one decoder layer per stage), at PP2 with full
-activation recompute, at PP2 with token-budget micro-batches of other shapes, and at PP2 x TP2
-(4 ranks) gives the metrics, gradients and updated weights (exported as HF tensors) of a
-single-rank trainer on the whole batch with the same micro-batches (2 of 8 samples). Each stage
+activation recompute, at PP2 with token-budget micro-batches of other shapes, at PP2 x TP2 and at
+PP2 x EP2 with uneven data-parallel shares (4 ranks) gives the metrics, gradients and updated
+weights (exported as HF tensors) of a single-rank trainer on the whole batch with the same
+micro-batches (2 of 8 samples). Each stage
 replays only its own MoE layer's routes. A run checkpoint written at PP2 resumes bit-exactly.
 One torchrun launch per world size (tests/dist/pp_parallel.py); the single-rank reference runs
 in this process.
@@ -59,6 +60,16 @@ CASES = [
         "nproc": 2,
     },
     {"name": "pp2_tp2", "pp": 2, "tp": 2, "train": MB, "nproc": 4},
+    # PP2 x EP2 (data-parallel size 2), uneven shares of 3 groups and 1 (micro-batches of 6):
+    # DP rank 1 runs a filler micro-batch through the schedule so the all-to-alls stay in step.
+    {
+        "name": "pp2_ep2_uneven",
+        "pp": 2,
+        "ep": 2,
+        "shares": [slice(0, 12), slice(12, 16)],
+        "train": {"micro_batch_size": 6},
+        "nproc": 4,
+    },
 ]
 
 
@@ -149,15 +160,16 @@ def test_pipeline_step_equals_single_rank(pp_run, reference, name):
     case = next(c for c in CASES if c["name"] == name)
     got = pp_run[name]
     layouts = got["layout"]
-    assert [(r["pp"], r["tp"], r["dp"]) for r in layouts] == [(2, case.get("tp", 1), 1)] * len(
-        layouts
-    )
+    sizes = (2, case.get("tp", 1), case.get("ep", 1), len(case.get("shares", [None])))
+    assert [(r["pp"], r["tp"], r["ep"], r["dp"]) for r in layouts] == [sizes] * len(layouts)
     # Each stage holds and replays only its own layer (2 decoder layers, one per stage).
     assert {r["stage"]: r["replayed_layers"] for r in layouts} == {0: [1], 1: [2]}
     recompute = case["train"].get("recompute_granularity")
     for r in layouts:  # a recompute per micro-batch of the stage's layer, or none
         assert r["recompute_granularity"] == recompute
         assert r["recomputes"] == ({r["stage"] + 1: 2} if recompute else {}), r
+    if "shares" in case:  # DP rank 0: 2 micro-batches; DP rank 1: 1 (+ 1 filler)
+        assert sorted({r["micro_batches"] for r in layouts}) == [1, 2]
     # Every rank returns the last stage's metrics.
     assert all(r["metrics"] == layouts[0]["metrics"] for r in layouts)
     metrics, want = layouts[0]["metrics"], reference["metrics"]
@@ -166,7 +178,8 @@ def test_pipeline_step_equals_single_rank(pp_run, reference, name):
     diffs = _diffs(name, got, reference)
     assert max_abs(reference["grads"]) > 1e-2  # the step has gradients to compare
     # The acceptance bound, for every case. Measured: 0 at PP2 (with and without recompute),
-    # grads 1.0e-7 / weights 3.6e-7 at PP2 x TP2, 9.2e-8 / 3.3e-7 with token-budget batches.
+    # grads 1.0e-7 / weights 3.6e-7 at PP2 x TP2, 9.2e-8 / 3.3e-7 with token-budget batches,
+    # 4.7e-8 / 1.5e-7 at PP2 x EP2 (a wrong data-parallel loss scale doubles every gradient).
     assert diffs["grads"] <= 1e-6, diffs
     assert diffs["weights"] <= 1e-6, diffs
     if case.get("exact", False):

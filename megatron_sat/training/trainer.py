@@ -162,7 +162,9 @@ class PolicyTrainer:
         )
         # Pipeline stages: this rank's layers (megatron-core's even split), the embedding on
         # the first stage and the output layer on the last; the steps then run megatron-core's
-        # schedule (training.pipeline), whose contract these two fields are.
+        # schedule (training.pipeline), whose contract these two fields are. With
+        # calculate_per_token_loss the DDP built below sums gradients over data-parallel ranks
+        # instead of averaging them, so the loss scale is 1 there (_loss_scale).
         self.pp_size = parallel_state.get_pipeline_model_parallel_world_size()
         self.is_last_stage = parallel_state.is_pipeline_last_stage()
         if self.pp_size > 1:
@@ -436,6 +438,14 @@ class PolicyTrainer:
 
             _allreduce_word_embedding_grads([self.model], self.config)
 
+    def _loss_scale(self, group) -> float:
+        """Factor on each loss share before backward so that the reduced gradients are those
+        of the global loss: ``dp_loss_scale`` (the DP size) when megatron-core's DDP averages
+        over data-parallel ranks; 1 under pipeline parallelism, where the schedule's
+        ``calculate_per_token_loss=True`` makes DDP sum them instead (it skips its 1 / DP
+        pre-scaling, ``distributed_data_parallel.py``)."""
+        return 1.0 if self.config.calculate_per_token_loss else dp_loss_scale(group)
+
     def _from_last_stage(self, metrics: dict[str, float]) -> dict[str, float]:
         """The last pipeline stage's ``metrics`` on every stage (a broadcast over the pipeline
         group; ``metrics`` itself at PP = 1): only that stage computes log-probs and losses."""
@@ -593,7 +603,7 @@ class PolicyTrainer:
                 {"topk_match_live": match, "mismatch_abs_logratio_live": diff},
                 {"num_active_tokens": n},
             )
-        scale = dp_loss_scale(group)
+        scale = self._loss_scale(group)
         self.model.train()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -742,7 +752,7 @@ class PolicyTrainer:
             forwards: the micro-batches, the fillers after the first ``num_real``.
             loss_of: ``(index, log_probs [N, S], entropy [N, S] or None) -> (loss, metrics)``,
                 run on the last stage; the loss is the micro-batch's share of the global loss.
-            scale: factor on each loss before backward (``dp_loss_scale``).
+            scale: factor on each loss before backward (``_loss_scale``).
             replay: replay the rollout routes (R3); also adds ``topk_match_r3`` (a collective
                 over the TP and pipeline groups after the schedule).
             entropy: the last stage's forward also gives the entropy.
@@ -817,7 +827,7 @@ class PolicyTrainer:
         num_tokens, _ = global_loss_denominators([mb.loss_mask for mb in mbs], group)
         if num_tokens == 0:
             raise ValueError("the global batch has no response tokens to train on")
-        scale = dp_loss_scale(group)
+        scale = self._loss_scale(group)
         self.model.train()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()

@@ -5,7 +5,8 @@
 SPEC.pkl (written by the pytest test) holds the tiny checkpoint, the global batch (samples with
 R3 routes, advantages), the objective, the trainer settings and the cases whose world size is N.
 For every case each rank builds a fresh ``PolicyTrainer`` at the case's layout (PP2, or PP2 x
-TP2 on 4 ranks), runs ONE ``rl_step`` on the whole batch (data-parallel size 1) and exports,
+TP2 or PP2 x EP2 on 4 ranks), runs ONE ``rl_step`` on its data-parallel rank's share of the
+batch (the whole batch at data-parallel size 1) and exports,
 through the HF name map (a collective over the TP and pipeline groups), the updated weights and
 the step's gradients (``main_grad`` after the reduction), and which MoE layers each rank's
 routers replay.
@@ -37,6 +38,13 @@ def _hf_state():
     return module.hf_state
 
 
+def share_of(case: dict) -> slice:
+    """This data-parallel rank's share of the batch (the whole batch without ``shares``)."""
+    from megatron.core import parallel_state
+
+    return case.get("shares", [slice(None)])[parallel_state.get_data_parallel_rank()]
+
+
 def run_case(spec: dict, case: dict, out_dir: str) -> dict:
     """One case on this rank: {"weights", "grads", "layout": [per rank]}."""
     from megatron.core import parallel_state
@@ -58,6 +66,7 @@ def run_case(spec: dict, case: dict, out_dir: str) -> dict:
             TrainConfig(**dict(spec["train"], **case.get("train", {}))),
             ParallelConfig(
                 tensor_model_parallel_size=case.get("tp", 1),
+                expert_model_parallel_size=case.get("ep", 1),
                 pipeline_model_parallel_size=case["pp"],
             ),
             pad_token_id=spec["pad_token_id"],
@@ -66,7 +75,10 @@ def run_case(spec: dict, case: dict, out_dir: str) -> dict:
         )
 
     def step(t: PolicyTrainer, version: int) -> dict[str, float]:
-        return t.rl_step(spec["samples"], spec["advantages"], objective, trainer_version=version)
+        share = share_of(case)
+        return t.rl_step(
+            spec["samples"][share], spec["advantages"][share], objective, trainer_version=version
+        )
 
     first = trainer()
     metrics = step(first, spec["trainer_version"])
@@ -76,6 +88,8 @@ def run_case(spec: dict, case: dict, out_dir: str) -> dict:
         "tp": parallel_state.get_tensor_model_parallel_world_size(),
         "pp": parallel_state.get_pipeline_model_parallel_world_size(),
         "dp": parallel_state.get_data_parallel_world_size(),
+        "ep": parallel_state.get_expert_model_parallel_world_size(),
+        "micro_batches": len(first.micro_batch_rows(spec["samples"][share_of(case)])),
         "stage": parallel_state.get_pipeline_model_parallel_rank(),
         "replayed_layers": list(first.routing.layers),
         "num_local_params": sum(p.numel() for p in first.model.parameters()),
