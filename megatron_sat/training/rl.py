@@ -62,6 +62,7 @@ from megatron_sat.rollout.pool import NoLiveServer, RolloutPool, informative_bat
 from megatron_sat.rollout.rewards import math_reward
 from megatron_sat.rollout.seeds import request_seed
 from megatron_sat.rollout.types import Sample, staleness
+from megatron_sat.training.batch_transfer import distribute_batch
 from megatron_sat.training.evaluate import evaluate
 from megatron_sat.training.run_logger import RunLogger
 from megatron_sat.training.trainer import PolicyTrainer
@@ -201,9 +202,10 @@ def distributed_rl_step(
     cfg: RunConfig,
     trainer_version: int | None,
 ) -> dict[str, float]:
-    """One train step on every rank: rank 0 passes the whole batch and scatters each rank the
+    """One train step on every rank: rank 0 passes the whole batch and sends each rank the
     share of its data-parallel rank (``dp_shares``; TP ranks of one DP rank get the same
-    share); the other ranks pass None and receive theirs. Returns the global metrics of
+    share) as flat CPU tensors over gloo (``training.batch_transfer``: no pickle, nothing
+    staged on a GPU); the other ranks pass None and receive theirs. Returns the global metrics of
     ``PolicyTrainer.rl_step`` (on every rank).
 
     Raises:
@@ -218,18 +220,14 @@ def distributed_rl_step(
     if world == 1:
         share = (samples, advantages, trainer_version)
     else:
-        dp_ranks: list = [None] * world
-        dist.all_gather_object(dp_ranks, parallel_state.get_data_parallel_rank())
-        objects = None
+        # Flat CPU tensors over gloo, each rank only its share (training.batch_transfer).
+        slices = None
         if rank == 0:
             num_dp = parallel_state.get_data_parallel_world_size()
             slices = dp_shares(len(samples), cfg.rollout.group_size, num_dp)
-            objects = [
-                (samples[slices[d]], advantages[slices[d]], trainer_version) for d in dp_ranks
-            ]
-        received: list = [None]
-        dist.scatter_object_list(received, objects, src=0)
-        share = received[0]
+        share = distribute_batch(
+            samples, advantages, trainer_version, slices, parallel_state.get_data_parallel_rank()
+        )
     share_samples, share_advantages, version = share
     return trainer.rl_step(share_samples, share_advantages, cfg.objective, trainer_version=version)
 

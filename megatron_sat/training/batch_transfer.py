@@ -1,0 +1,265 @@
+"""Rank 0's batch to every trainer rank as flat CPU tensors, each rank receiving only its share.
+
+What it replaces: ``dist.scatter_object_list`` of pickled ``Sample`` lists on the default
+group. With NCCL that pickles every share, stages world-size x the largest pickled share on
+GPU 0 (``scatter_object_list`` copies the byte tensors to the current device) and sends routes
+inflated by pickling (tens of GB at the paper's shape: 8.4k tokens x 48 layers x 8 experts per
+sample). Here each sample's fields become segments of one ``uint8`` buffer per destination --
+token ids and versions int64, log-probs, rewards and advantages in their own dtypes (bitwise),
+routes in the dtype they were decoded to (uint8 or int16, see ``routing.payload``), strings as
+UTF-8 -- sent point to point over a gloo group (``cpu_group``), one destination at a time, so
+rank 0 holds at most one encoded share besides the batch and nothing touches a GPU. Routes stay
+compact until ``training.batching`` installs them.
+
+``encode_share`` / ``decode_share`` are exact inverses (every field of ``Sample``; a test
+round-trips them bitwise).
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron_sat.rollout.types import Sample
+
+_MAGIC = 0x5341_5442  # "SATB": a buffer from another format or a torn transfer fails loudly
+# Route and advantage dtypes a buffer may carry, by code (the code is what travels).
+_DTYPES = [np.uint8, np.int16, np.uint16, np.int32, np.int64, np.float32, np.float64]
+# Per-sample int64 fields, in this order.
+_FIELDS = (
+    "index",
+    "group_index",
+    "num_prompt",
+    "num_response",
+    "route_rows",  # -1: no routes
+    "route_layers",
+    "route_topk",
+    "route_dtype",
+    "has_reward",
+    "prompt_bytes",
+    "label_bytes",
+    "text_bytes",
+    "finish_bytes",
+    "metadata_bytes",
+)
+
+_cpu_group = None
+
+
+def cpu_group():
+    """A gloo group over the whole world: the default group when its backend is gloo, else a
+    new gloo group (created collectively on first use: call it on every rank at the same
+    point, as ``distributed_rl_step`` does)."""
+    global _cpu_group
+    if dist.get_backend() == "gloo":
+        return dist.group.WORLD
+    if _cpu_group is None:
+        _cpu_group = dist.new_group(backend="gloo")
+    return _cpu_group
+
+
+def _code(dtype: np.dtype) -> int:
+    for code, known in enumerate(_DTYPES):
+        if np.dtype(known) == dtype:
+            return code
+    raise ValueError(f"dtype {dtype} cannot travel in a batch buffer (known: {_DTYPES})")
+
+
+def encode_share(
+    samples: list[Sample], advantages: torch.Tensor, trainer_version: int | None
+) -> torch.Tensor:
+    """One rank's share as a flat uint8 CPU tensor.
+
+    Args:
+        samples: the share (may be empty).
+        advantages: [len(samples)] float32 or float64 (any CPU tensor with that leading size).
+        trainer_version: the version the share is trained at, or None.
+
+    Raises:
+        ValueError: naming the sample, for ``metadata`` that is not JSON, routes of an unknown
+            dtype, or advantages of another length.
+    """
+    if advantages.shape[:1] != (len(samples),):
+        raise ValueError(f"{tuple(advantages.shape)} advantages for {len(samples)} samples")
+    table = np.zeros((len(samples), len(_FIELDS)), dtype=np.int64)
+    tokens, versions, log_probs, rewards, routes, text = [], [], [], [], [], []
+    for row, s in enumerate(samples):
+        try:
+            meta = json.dumps(s.metadata, sort_keys=True).encode()
+        except TypeError as e:
+            raise ValueError(f"sample {s.index}: metadata is not JSON ({e})") from e
+        if json.loads(meta) != s.metadata:
+            raise ValueError(f"sample {s.index}: metadata does not survive JSON: {s.metadata!r}")
+        strings = [s.prompt.encode(), s.label.encode(), s.response_text.encode()]
+        strings += [s.finish_reason.encode(), meta]
+        r = s.routed_experts
+        shape = (-1, 0, 0, 0) if r is None else (*r.shape, _code(r.dtype))
+        if r is not None and r.ndim != 3:
+            raise ValueError(f"sample {s.index}: routed_experts has shape {r.shape}, not 3-d")
+        table[row] = [
+            s.index,
+            s.group_index,
+            len(s.prompt_ids),
+            len(s.response_ids),
+            *shape,
+            s.reward is not None,
+            *(len(b) for b in strings),
+        ]
+        tokens += [s.prompt_ids, s.response_ids]
+        versions.append(s.response_versions)
+        log_probs.append(s.rollout_log_probs)
+        rewards.append(0.0 if s.reward is None else s.reward)
+        if r is not None:
+            routes.append(np.ascontiguousarray(r).view(np.uint8).reshape(-1))
+        text += strings
+    adv = advantages.detach().cpu().contiguous().numpy()
+    header = np.array(
+        [_MAGIC, len(samples), -1 if trainer_version is None else trainer_version,
+         _code(adv.dtype), adv.ndim, *adv.shape],
+        dtype=np.int64,
+    )  # fmt: skip
+    segments = [
+        table,
+        np.array([t for ids in tokens for t in ids], dtype=np.int64),
+        np.array([v for vs in versions for v in vs], dtype=np.int64),
+        np.array([x for xs in log_probs for x in xs], dtype=np.float64),
+        np.array(rewards, dtype=np.float64),
+        adv,
+        np.concatenate(routes) if routes else np.zeros(0, np.uint8),
+        np.frombuffer(b"".join(text), dtype=np.uint8),
+    ]
+    raw = [np.ascontiguousarray(a).view(np.uint8).reshape(-1) for a in segments]
+    lengths = np.array([len(header), *(len(b) for b in raw)], dtype=np.int64)
+    out = np.concatenate([lengths.view(np.uint8), header.view(np.uint8), *raw])
+    return torch.from_numpy(out)
+
+
+def decode_share(buffer: torch.Tensor) -> tuple[list[Sample], torch.Tensor, int | None]:
+    """The inverse of ``encode_share``: (samples, advantages, trainer_version).
+
+    Raises:
+        ValueError: for a buffer that is not one (wrong magic or sizes).
+    """
+    raw = buffer.numpy().tobytes()
+    num_segments = 9
+    lengths = np.frombuffer(raw[: 8 * num_segments], dtype=np.int64)
+    pos = 8 * num_segments
+    header = np.frombuffer(raw[pos : pos + 8 * int(lengths[0])], dtype=np.int64)
+    pos += 8 * int(lengths[0])
+    if len(header) < 5 or header[0] != _MAGIC:
+        raise ValueError("not a batch buffer (bad magic): sender and receiver disagree")
+    chunks = []
+    for n in lengths[1:]:
+        chunks.append(raw[pos : pos + int(n)])
+        pos += int(n)
+    if pos != len(raw):
+        raise ValueError(f"batch buffer of {len(raw)} bytes, its segments add up to {pos}")
+    n, version, adv_code, adv_ndim = (int(x) for x in header[1:5])
+    table = np.frombuffer(chunks[0], dtype=np.int64).reshape(n, len(_FIELDS))
+    tokens = np.frombuffer(chunks[1], dtype=np.int64)
+    versions = np.frombuffer(chunks[2], dtype=np.int64)
+    log_probs = np.frombuffer(chunks[3], dtype=np.float64)
+    rewards = np.frombuffer(chunks[4], dtype=np.float64)
+    adv = np.frombuffer(chunks[5], dtype=_DTYPES[adv_code]).reshape(header[5 : 5 + adv_ndim])
+    routes, text = chunks[6], chunks[7]
+    samples = []
+    t = v = r_pos = x_pos = 0
+    for row in range(n):
+        f = dict(zip(_FIELDS, (int(x) for x in table[row]), strict=True))
+        p, r = f["num_prompt"], f["num_response"]
+        strings = []
+        for key in ("prompt_bytes", "label_bytes", "text_bytes", "finish_bytes", "metadata_bytes"):
+            strings.append(text[x_pos : x_pos + f[key]].decode())
+            x_pos += f[key]
+        routed = None
+        if f["route_rows"] >= 0:
+            dtype = np.dtype(_DTYPES[f["route_dtype"]])
+            shape = (f["route_rows"], f["route_layers"], f["route_topk"])
+            size = int(np.prod(shape)) * dtype.itemsize
+            routed = np.frombuffer(routes[r_pos : r_pos + size], dtype=dtype).reshape(shape).copy()
+            r_pos += size
+        samples.append(
+            Sample(
+                index=f["index"],
+                group_index=f["group_index"],
+                prompt=strings[0],
+                label=strings[1],
+                prompt_ids=tokens[t : t + p].tolist(),
+                response_ids=tokens[t + p : t + p + r].tolist(),
+                rollout_log_probs=log_probs[v : v + r].tolist(),
+                response_versions=versions[v : v + r].tolist(),
+                routed_experts=routed,
+                finish_reason=strings[3],
+                reward=float(rewards[row]) if f["has_reward"] else None,
+                response_text=strings[2],
+                metadata=json.loads(strings[4]),
+            )
+        )
+        t += p + r
+        v += r
+    advantages = torch.from_numpy(adv.copy())
+    return samples, advantages, None if version < 0 else version
+
+
+def send_shares(
+    shares: dict[int, tuple[list[Sample], torch.Tensor, int | None]], group=None
+) -> None:
+    """Rank 0: send rank ``d`` its share ``shares[d]`` (every other rank of the group),
+    one destination at a time (length, then the buffer) over ``group`` (default
+    ``cpu_group()``)."""
+    group = cpu_group() if group is None else group
+    for dst in sorted(shares):
+        buffer = encode_share(*shares[dst])
+        dist.send(torch.tensor([buffer.numel()], dtype=torch.int64), dst=dst, group=group)
+        dist.send(buffer, dst=dst, group=group)
+
+
+def receive_share(group=None) -> tuple[list[Sample], torch.Tensor, int | None]:
+    """A non-zero rank: its share from rank 0 (``send_shares``)."""
+    group = cpu_group() if group is None else group
+    size = torch.zeros(1, dtype=torch.int64)
+    dist.recv(size, src=0, group=group)
+    buffer = torch.empty(int(size), dtype=torch.uint8)
+    dist.recv(buffer, src=0, group=group)
+    return decode_share(buffer)
+
+
+def distribute_batch(
+    samples: list[Sample] | None,
+    advantages: torch.Tensor | None,
+    trainer_version: int | None,
+    slices: list[slice] | None,
+    dp_rank: int,
+) -> tuple[list[Sample], torch.Tensor, int | None]:
+    """Every rank's share of rank 0's batch: rank ``r`` gets
+    ``(samples[slices[dp_rank of r]], advantages[same], trainer_version)``.
+
+    Collective over ``cpu_group()``: one all-gather of the data-parallel ranks (int64), then
+    ``send_shares`` / ``receive_share``. Rank 0 keeps its own share without a copy.
+
+    Args:
+        samples, advantages, trainer_version, slices: rank 0's batch and its shares by
+            data-parallel rank; None on the other ranks.
+        dp_rank: this rank's data-parallel rank.
+
+    Raises:
+        ValueError: rank 0 without the batch or its slices.
+    """
+    group = cpu_group()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    gathered = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(gathered, torch.tensor([dp_rank], dtype=torch.int64), group=group)
+    dp_ranks = [int(t) for t in gathered]
+    if rank != 0:
+        return receive_share(group)
+    if samples is None or advantages is None or slices is None:
+        raise ValueError("rank 0 must pass the batch, its advantages and the shares' slices")
+
+    def share(d: int):
+        return samples[slices[d]], advantages[slices[d]], trainer_version
+
+    send_shares({r: share(d) for r, d in enumerate(dp_ranks) if r != 0}, group)
+    return share(dp_ranks[0])
