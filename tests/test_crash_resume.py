@@ -396,7 +396,7 @@ def crash_inputs(tmp_path_factory, arith) -> tuple[Path, Path]:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 @pytest.mark.parametrize(
     ("mode", "seed"),
-    [("sync", 20)],
+    [("sync", 20), ("fixed_lag", 16)],
 )
 def test_run_killed_five_times_resumes_bit_identical(tmp_path, crash_inputs, mode, seed):
     """The 20-step run SIGKILLed at 5 seeded points (mid-write and between the commit's
