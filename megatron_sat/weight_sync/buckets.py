@@ -201,6 +201,10 @@ class BucketProducer:
 
     def _run(self) -> None:
         try:
+            if self._stream is not None:
+                # The current CUDA device is per thread (a new one starts on cuda:0); the
+                # export's collectives and copies on this thread must use the sender's.
+                torch.cuda.set_device(self._device)
             groups = iter_buckets(self._source, self._bucket_bytes, self._unpacked_from_bytes)
             while True:
                 # A slot first, then the next group: at most len(staging) buckets (and the
