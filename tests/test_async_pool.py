@@ -298,12 +298,17 @@ def test_dead_embedded_servers_are_restarted_and_resynced_before_they_serve(
     assert len({i for _, i in seen}) == len(seen)
 
 
-@pytest.mark.parametrize("on_update", ["resume", "restart"])
-def test_a_push_aborts_requests_in_flight_which_resume_or_restart(tiny_checkpoint, on_update):
+@pytest.mark.parametrize(
+    ("on_update", "dispatch"),
+    [("resume", "per_server"), ("restart", "per_server"), ("resume", "per_request")],
+)
+def test_a_push_aborts_requests_in_flight_which_resume_or_restart(
+    tiny_checkpoint, on_update, dispatch
+):
     """Bounded mode pushes with pause_mode "abort" (rl.sync_options): requests cut by the push
     come back with finish_reason "abort" and are resumed from their partial output (every token
     keeps the version that produced it: versions 0 then 1 in one response) or restarted from
-    the prompt (one version per response), by ``on_update``."""
+    the prompt (one version per response), by ``on_update``; per-request dispatch too."""
     from safetensors.torch import load_file
     from transformers import AutoTokenizer
 
@@ -324,7 +329,13 @@ def test_a_push_aborts_requests_in_flight_which_resume_or_restart(tiny_checkpoin
                 lambda text, label: 0.0,
                 records(),
                 AsyncPoolConfig(
-                    mode="bounded", lag=1, prompts_per_batch=2, group_size=2, on_update=on_update
+                    mode="bounded",
+                    lag=1,
+                    prompts_per_batch=2,
+                    group_size=2,
+                    on_update=on_update,
+                    dispatch=dispatch,
+                    max_in_flight_per_server=4,
                 ),
                 SamplingParams(temperature=1.0, max_new_tokens=100),  # long enough to cut
             )
@@ -340,6 +351,7 @@ def test_a_push_aborts_requests_in_flight_which_resume_or_restart(tiny_checkpoin
             finally:
                 pool.stop()
     mixed = [s for s in samples if len(set(s.response_versions)) > 1]
+    assert len(samples) == 8
     if on_update == "resume":
         assert pool.stats.resumed > 0 and pool.stats.restarted == 0
         assert mixed and all(s.response_versions == sorted(s.response_versions) for s in mixed)

@@ -39,6 +39,7 @@ import dataclasses
 import threading
 from collections import deque
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -53,7 +54,14 @@ from megatron_sat.rollout.client import (
 )
 from megatron_sat.rollout.datasets import PromptRecord
 from megatron_sat.rollout.meter import ServerMeter
-from megatron_sat.rollout.pool import NoLiveServer, RewardFn, parse_weight_version, refused_prompts
+from megatron_sat.rollout.pool import (
+    DISPATCH,
+    NoLiveServer,
+    RewardFn,
+    parse_weight_version,
+    refused_prompts,
+    submit_reward,
+)
 from megatron_sat.rollout.types import Sample
 
 MODES = ("fixed_lag", "bounded")
@@ -75,6 +83,13 @@ class AsyncPoolConfig:
             dynamic sampling, Yu et al., arXiv 2503.14476, Eq. 11).
         max_replacements: replacement groups per batch at most; once used up, groups are kept
             whatever their rewards (so an all-solved dataset still makes batches).
+        dispatch: ``per_request``: every server slot runs ``max_in_flight_per_server``
+            workers that each take one sample at a time from the queue, so a server that
+            finishes sooner takes more (the least loaded one gets the next request) and a long
+            response holds only its own worker. ``per_server``: one worker per slot takes its
+            share of the queue (at most one batch) in one batched request (the server's batches
+            are then the same every run: see ``rollout.pool.RolloutPool``).
+        max_in_flight_per_server: ``per_request`` requests in flight per server (>= 1).
     """
 
     mode: str = "fixed_lag"
@@ -84,8 +99,19 @@ class AsyncPoolConfig:
     on_update: str = "resume"
     filter_groups: bool = False
     max_replacements: int = 0
+    dispatch: str = "per_server"
+    max_in_flight_per_server: int = 64
 
     def __post_init__(self) -> None:
+        if self.dispatch not in DISPATCH:
+            raise ValueError(
+                f"async_pool.dispatch must be one of {DISPATCH}, got {self.dispatch!r}"
+            )
+        if self.max_in_flight_per_server < 1:
+            raise ValueError(
+                "async_pool.max_in_flight_per_server must be >= 1, got "
+                f"{self.max_in_flight_per_server}"
+            )
         if self.mode not in MODES:
             raise ValueError(f"async_pool.mode must be one of {MODES}, got {self.mode!r}")
         if self.on_update not in ON_UPDATE:
@@ -213,6 +239,7 @@ class AsyncRolloutPool:
         # A slot's worker serves while its generation is current (see the module docstring).
         self._generation = [0] * len(self.clients)
         self._threads: list[threading.Thread] = []
+        self._reward_executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="reward")
 
     # -- trainer side ------------------------------------------------------------------------
     def start(self) -> None:
@@ -535,16 +562,18 @@ class AsyncRolloutPool:
         )
 
     def _spawn_worker(self, server: int) -> None:
-        """Start the worker of slot ``server`` at its current generation (caller holds the
-        lock)."""
-        thread = threading.Thread(
-            target=self._worker,
-            args=(server, self._generation[server]),
-            name=f"rollout{server}.{self._generation[server]}",
-            daemon=True,
-        )
-        self._threads.append(thread)
-        thread.start()
+        """Start the workers of slot ``server`` at its current generation (caller holds the
+        lock): one, or ``max_in_flight_per_server`` with per-request dispatch."""
+        count = self.config.max_in_flight_per_server if self.config.dispatch == "per_request" else 1
+        for k in range(count):
+            thread = threading.Thread(
+                target=self._worker,
+                args=(server, self._generation[server]),
+                name=f"rollout{server}.{self._generation[server]}.{k}",
+                daemon=True,
+            )
+            self._threads.append(thread)
+            thread.start()
 
     def _admit(self) -> None:
         """Queue every batch ``b`` with ``b - lag <= version`` (caller holds the lock)."""
@@ -605,9 +634,11 @@ class AsyncRolloutPool:
                 if self._stopped or self._error is not None or retired():
                     return
                 client = self.clients[server]
-                # A server's share of the queue, at most one batch, in one batched request.
+                # A server's share of the queue, at most one batch, in one batched request;
+                # per request: one sample.
                 share = max(1, len(self._queue) // max(1, len(self._alive)))
                 share = min(share, self.config.prompts_per_batch * self.config.group_size)
+                share = 1 if self.config.dispatch == "per_request" else share
                 jobs = [self._queue.popleft() for _ in range(min(share, len(self._queue)))]
             self.meter.begin(server)
             try:
@@ -688,6 +719,7 @@ class AsyncRolloutPool:
             # new one, which must stay alive. Its jobs are re-queued either way.
             if self._generation[server] == generation and server in self._alive:
                 self._alive.discard(server)
+                self._generation[server] += 1  # the slot's other workers (per_request) retire
                 self.stats.dead_servers.append(client.base_url)
             for job in reversed(jobs):
                 job.attempts += 1
@@ -733,7 +765,18 @@ class AsyncRolloutPool:
                 samples=len(finished),
                 tokens=sum(len(out.output_ids) for out in outputs),
             )
-        samples = [(job, self._to_sample(job, out)) for job, out in finished]
+        # Scored concurrently (reward workers or threads), then published together.
+        texts = [
+            self.tokenizer.decode(job.response_ids, skip_special_tokens=True) for job, _ in finished
+        ]
+        rewards = [
+            submit_reward(self.reward_fn, self._reward_executor, text, job.record.label)
+            for text, (job, _) in zip(texts, finished, strict=True)
+        ]
+        samples = [
+            (job, self._to_sample(job, out, text, reward.result()))
+            for (job, out), text, reward in zip(finished, texts, rewards, strict=True)
+        ]
         with self._cond:
             self._queue.extendleft(reversed(requeue))
             for job, sample in samples:
@@ -748,8 +791,7 @@ class AsyncRolloutPool:
             per_url[url] = per_url.get(url, 0) + len(samples)
             self._cond.notify_all()
 
-    def _to_sample(self, job: _Job, out: GenerateOutput) -> Sample:
-        text = self.tokenizer.decode(job.response_ids, skip_special_tokens=True)
+    def _to_sample(self, job: _Job, out: GenerateOutput, text: str, reward: float) -> Sample:
         return Sample(
             index=-1,
             group_index=job.group,
@@ -761,6 +803,6 @@ class AsyncRolloutPool:
             response_versions=list(job.versions),
             routed_experts=out.routed_experts,
             finish_reason=out.finish_reason,
-            reward=float(self.reward_fn(text, job.record.label)),
+            reward=float(reward),
             response_text=text,
         )

@@ -19,8 +19,9 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import re
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 import torch
@@ -39,6 +40,22 @@ from megatron_sat.rollout.meter import ServerMeter
 from megatron_sat.rollout.types import Sample
 
 RewardFn = Callable[[str, str], float]
+# How a pool sends its requests: one /generate per sample to the least loaded live server,
+# collected as they finish ("per_request"), or one batched /generate per server for its whole
+# share ("per_server", deterministic server batches: see RolloutPool).
+DISPATCH = ("per_request", "per_server")
+
+
+def submit_reward(
+    reward_fn: RewardFn, executor: ThreadPoolExecutor, text: str, label: str
+) -> Future:
+    """``reward_fn(text, label)`` started concurrently: through its own ``submit`` when it has
+    one (``rollout.rewards.RewardWorkers``: worker processes, math-verify's timeouts on), else
+    on ``executor``'s threads. The future resolves to the reward (float)."""
+    submit = getattr(reward_fn, "submit", None)
+    if submit is not None:
+        return submit(text, label)
+    return executor.submit(reward_fn, text, label)
 
 
 class NoLiveServer(SGLangError):
@@ -89,9 +106,19 @@ class RolloutPool:
         stop_token_ids: stop tokens besides the model's eos.
         meter: per-server request accounting, shared with other pools over the same servers;
             default a new one.
+        dispatch: ``per_request``: one ``/generate`` per sample, each sent to the live server
+            with the fewest requests in flight (at most ``max_in_flight_per_server``) and
+            collected as it finishes, so a long response holds only itself and its reward is
+            computed while the others still generate. ``per_server``: one batched
+            ``/generate`` per server for its whole share (the server's batches are then the
+            same every run; the embedded engine is not batch-invariant, so only this keeps
+            its seeded runs bit-identical). Either way the samples come back in (prompt,
+            sample) order, whatever order they finished in.
+        max_in_flight_per_server: ``per_request`` requests in flight per server at most (>= 1).
 
     Raises:
-        ValueError: without clients, or for a meter of another server count.
+        ValueError: without clients, for a meter of another server count, an unknown
+            ``dispatch`` or ``max_in_flight_per_server`` < 1.
     """
 
     def __init__(
@@ -103,9 +130,22 @@ class RolloutPool:
         routing: RoutingSpec | None,
         stop_token_ids: Sequence[int] = (),
         meter: ServerMeter | None = None,
+        dispatch: str = "per_server",
+        max_in_flight_per_server: int = 256,
     ) -> None:
         if not clients:
             raise ValueError("the rollout pool needs at least one server")
+        if dispatch not in DISPATCH:
+            raise ValueError(f"dispatch must be one of {DISPATCH}, got {dispatch!r}")
+        if max_in_flight_per_server < 1:
+            raise ValueError(
+                f"max_in_flight_per_server must be >= 1, got {max_in_flight_per_server}"
+            )
+        self.dispatch = dispatch
+        self.max_in_flight_per_server = max_in_flight_per_server
+        # Request index (record * group_size + sample) of each sample of the last
+        # generate_groups, in the order its response arrived (per_server: its server's share).
+        self.last_arrival_order: list[int] = []
         self.meter = meter or ServerMeter(len(clients))
         if self.meter.num_servers != len(clients):
             raise ValueError(f"meter of {self.meter.num_servers} servers for {len(clients)}")
@@ -119,10 +159,17 @@ class RolloutPool:
         self._next_index = itertools.count()
         self._next_group = itertools.count()
         self._executor = ThreadPoolExecutor(max_workers=len(self.clients))
+        self._request_executor = ThreadPoolExecutor(  # per_request: one thread per request
+            max_workers=len(self.clients) * max_in_flight_per_server,
+            thread_name_prefix="rollout-request",
+        )
+        self._reward_executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="reward")
 
     def close(self) -> None:
         """Stop the worker threads (the servers are not touched)."""
         self._executor.shutdown(wait=True)
+        self._request_executor.shutdown(wait=True)
+        self._reward_executor.shutdown(wait=True)
 
     def down_servers(self) -> set[int]:
         """Indices of the server slots marked dead and not replaced since."""
@@ -158,11 +205,13 @@ class RolloutPool:
         temperature: float,
         top_p: float = 1.0,
         top_k: int = -1,
-        max_new_tokens: int,
+        max_new_tokens: int | Sequence[int],
         with_routing: bool = True,
         seed_of: Callable[[int, int], int] | None = None,
     ) -> list[Sample]:
         """``group_size`` scored samples per record, grouped contiguously in record order.
+
+        ``max_new_tokens``: one limit for all, or one per record.
 
         ``seed_of(record_index, sample_index)`` (indices within this call), when given, is
         each request's ``sampling_seed`` (``rollout.seeds``): the samples then do not depend
@@ -175,23 +224,63 @@ class RolloutPool:
                 and no sample index or group id is used up, so the caller can retry.
             ValueError: for a non-integer weight version.
         """
+        limits = [max_new_tokens] * len(records) if isinstance(max_new_tokens, int) else None
+        limits = list(max_new_tokens) if limits is None else limits
+        if len(limits) != len(records):
+            raise ValueError(f"{len(limits)} max_new_tokens for {len(records)} records")
         sampling = SamplingParams(
             temperature=temperature,
             top_p=top_p,
             top_k=top_k,
-            max_new_tokens=max_new_tokens,
+            max_new_tokens=limits[0] if limits else 0,
             stop_token_ids=self.stop_token_ids,
         )
         prompts = [self.tokenizer.encode(r.prompt) for r in records]
         requests = [(g, ids) for g, ids in enumerate(prompts) for _ in range(group_size)]
         routing = self.routing if with_routing else None
         per_request = None
-        if seed_of is not None:
+        if seed_of is not None or len(set(limits)) > 1:
             per_request = [
-                dataclasses.replace(sampling, sampling_seed=seed_of(g, k))
+                dataclasses.replace(
+                    sampling,
+                    max_new_tokens=limits[g],
+                    sampling_seed=None if seed_of is None else seed_of(g, k),
+                )
                 for g in range(len(prompts))
                 for k in range(group_size)
             ]
+
+        self.last_arrival_order = []
+        rewards: dict[int, Future] = {}
+
+        def score(i: int, out: GenerateOutput, url: str) -> None:
+            text = self.tokenizer.decode(out.output_ids, skip_special_tokens=True)
+            label = records[requests[i][0]].label
+            rewards[i] = submit_reward(self.reward_fn, self._reward_executor, text, label)
+
+        if self.dispatch == "per_request":
+            results = self._generate_per_request(
+                records, requests, sampling, per_request, routing, score
+            )
+        else:
+            results = self._generate_per_server(records, requests, sampling, per_request, routing)
+            for i in sorted(results):
+                score(i, *results[i])
+        group_ids = [next(self._next_group) for _ in records]
+        return [
+            self._to_sample(records[g], group_ids[g], ids, *results[i], rewards[i].result())
+            for i, (g, ids) in enumerate(requests)
+        ]
+
+    def _generate_per_server(
+        self,
+        records: Sequence[PromptRecord],
+        requests: list[tuple[int, list[int]]],
+        sampling: SamplingParams,
+        per_request: list[SamplingParams] | None,
+        routing: RoutingSpec | None,
+    ) -> dict[int, tuple[GenerateOutput, str]]:
+        """``dispatch="per_server"``: each live server's share in one batched request."""
 
         def run(server: int, client: SGLangClient, shard: list[int]):
             self.meter.begin(server)
@@ -242,12 +331,84 @@ class RolloutPool:
                     continue
                 for i, out in zip(shard, outputs, strict=True):
                     results[i] = (out, client.base_url)
+                    self.last_arrival_order.append(i)
             todo.sort()
-        group_ids = [next(self._next_group) for _ in records]
-        return [
-            self._to_sample(records[g], group_ids[g], ids, *results[i])
-            for i, (g, ids) in enumerate(requests)
-        ]
+        return results
+
+    def _generate_per_request(
+        self,
+        records: Sequence[PromptRecord],
+        requests: list[tuple[int, list[int]]],
+        sampling: SamplingParams,
+        per_request: list[SamplingParams] | None,
+        routing: RoutingSpec | None,
+        on_output: Callable[[int, GenerateOutput, str], None],
+    ) -> dict[int, tuple[GenerateOutput, str]]:
+        """``dispatch="per_request"``: one request per sample to the live server with the
+        fewest in flight; ``on_output(i, output, url)`` runs as each one arrives."""
+        in_flight: dict[Future, tuple[int, int, SGLangClient]] = {}
+        load = dict.fromkeys(range(len(self.clients)), 0)
+        results: dict[int, tuple[GenerateOutput, str]] = {}
+        todo = deque(range(len(requests)))
+        errors: list[str] = []
+
+        def run(server: int, client: SGLangClient, i: int) -> GenerateOutput:
+            self.meter.begin(server)
+            try:
+                params = sampling if per_request is None else per_request[i]
+                (out,) = client.generate(requests[i][1], params, routing=routing)
+            except BaseException:
+                self.meter.end(server, failed=True)
+                raise
+            self.meter.end(
+                server, samples=int(out.finish_reason != "abort"), tokens=len(out.output_ids)
+            )
+            return out
+
+        while todo or in_flight:
+            alive = sorted(self._alive)
+            if todo and not alive and not in_flight:
+                raise NoLiveServer(
+                    f"every rollout server is dead ({len(todo)} of {len(requests)} requests "
+                    "left); failures:\n" + "\n".join(errors)
+                )
+            while todo and alive:
+                server = min(alive, key=lambda k: (load[k], k))
+                if load[server] >= self.max_in_flight_per_server:
+                    break
+                i = todo.popleft()
+                client = self.clients[server]
+                in_flight[self._request_executor.submit(run, server, client, i)] = (
+                    i,
+                    server,
+                    client,
+                )
+                load[server] += 1
+            done, _ = wait(in_flight, return_when=FIRST_COMPLETED)
+            # Handled in request order, so what happens next does not depend on which of two
+            # requests that finished together was seen first.
+            for future in sorted(done, key=lambda f: in_flight[f][0]):
+                i, server, client = in_flight.pop(future)
+                load[server] -= 1
+                try:
+                    out = future.result()
+                except SGLangRequestError as e:
+                    # The request is at fault, not the server (see _generate_per_server).
+                    record = records[requests[i][0]]
+                    raise SGLangRequestError(
+                        f"{client.base_url} refused prompt {prompt_summary([record])}: {e}",
+                        e.status_code,
+                    ) from e
+                except (SGLangError, OSError) as e:
+                    errors.append(f"  {client.base_url}: {e}")
+                    self.mark_dead(server)
+                    self.stats.reissued += 1
+                    todo.appendleft(i)
+                    continue
+                results[i] = (out, client.base_url)
+                self.last_arrival_order.append(i)
+                on_output(i, out, client.base_url)
+        return results
 
     def _to_sample(
         self,
@@ -256,6 +417,7 @@ class RolloutPool:
         prompt_ids: list[int],
         out: GenerateOutput,
         url: str,
+        reward: float,
     ) -> Sample:
         version = parse_weight_version(out.weight_version, url)
         text = self.tokenizer.decode(out.output_ids, skip_special_tokens=True)
@@ -270,7 +432,7 @@ class RolloutPool:
             response_versions=[version] * len(out.output_ids),
             routed_experts=out.routed_experts,
             finish_reason=out.finish_reason,
-            reward=float(self.reward_fn(text, record.label)),
+            reward=float(reward),
             response_text=text,
         )
 

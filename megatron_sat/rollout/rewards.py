@@ -10,7 +10,8 @@ asyncio thread. `math_reward` therefore runs math-verify without timeouts by def
 (``timeout_s=None``), which works in every thread. The price: sympy work is then unbounded, and
 an adversarial answer such as ``\\boxed{10^{10^{10^{10}}}}`` compared with "82" did not finish in
 two minutes. Where that matters, run rewards in worker processes (a ``ProcessPoolExecutor`` runs
-tasks in its workers' main threads) and pass ``timeout_s``.
+tasks in its workers' main threads) and pass ``timeout_s``: `RewardWorkers` does that, and is
+what the RL loop uses (rewards scored concurrently, each bounded by math-verify's own timeouts).
 
 math-verify logs one warning per process ("Timeout is disabled ...") the first time it runs
 without timeouts; it is expected.
@@ -18,8 +19,12 @@ without timeouts; it is expected.
 
 from __future__ import annotations
 
+import multiprocessing
+import os
 import threading
+import time
 from collections.abc import Sequence
+from concurrent.futures import Future, ProcessPoolExecutor
 
 from math_verify import parse, verify
 
@@ -136,3 +141,77 @@ def batch_rewards(
         math_reward(response, label, timeout_s=timeout_s)
         for response, label in zip(responses, labels, strict=True)
     ]
+
+
+class RewardWorkers:
+    """`math_reward` scored concurrently in worker processes, with math-verify's timeouts on.
+
+    Each worker process runs its tasks in its main thread, where math-verify's
+    ``signal.alarm`` timeouts work, so an answer whose sympy comparison does not end within
+    ``timeout_s`` scores 0.0 instead of blocking the rollout. Workers are started with
+    ``spawn`` (the trainer process has threads; a forked child could inherit a held lock)
+    and end with this process, also when it is SIGKILLed (without that a killed trainer
+    left them running, seen here).
+
+    Args:
+        num_workers: worker processes (>= 1).
+        timeout_s: math-verify's per-expression timeout, whole seconds (>= 1).
+
+    Raises:
+        ValueError: for a count or timeout < 1.
+
+    Use as ``reward_fn`` of the rollout pools (it is callable like `math_reward`; the pools
+    call ``submit`` to overlap scoring with generation), and ``close`` it at the end.
+    """
+
+    def __init__(self, num_workers: int = 2, timeout_s: int = 5) -> None:
+        if num_workers < 1:
+            raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, int) or timeout_s < 1:
+            raise ValueError(f"timeout_s must be an int >= 1 (seconds), got {timeout_s!r}")
+        self.timeout_s = timeout_s
+        self._executor = ProcessPoolExecutor(
+            num_workers,
+            mp_context=multiprocessing.get_context("spawn"),
+            initializer=_end_with_parent,
+            initargs=(os.getpid(),),
+        )
+        # Start the workers now (they import math-verify), not at the first reward.
+        for warm in [self._executor.submit(int, 0) for _ in range(num_workers)]:
+            warm.result()
+
+    def submit(self, response: str, label: str) -> Future:
+        """Start scoring one pair; the future resolves to `math_reward`'s 1.0 or 0.0 (or
+        raises its ValueError for an unparseable label)."""
+        return self._executor.submit(_timed_reward, response, label, self.timeout_s)
+
+    def __call__(self, response: str, label: str) -> float:
+        return self.submit(response, label).result()
+
+    def close(self) -> None:
+        """Stop the worker processes (after the tasks already submitted)."""
+        self._executor.shutdown(wait=True)
+
+    def __enter__(self) -> RewardWorkers:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _end_with_parent(parent_pid: int, poll_s: float = 1.0) -> None:
+    """Worker initializer: exit once the parent is gone. PR_SET_PDEATHSIG alone did not do
+    it here (it follows the parent *thread*, and one of two workers outlived a SIGKILLed
+    parent), so a daemon thread also polls the parent pid."""
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(poll_s)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def _timed_reward(response: str, label: str, timeout_s: int) -> float:
+    """`math_reward` with timeouts, run in a worker process's main thread."""
+    return math_reward(response, label, timeout_s=timeout_s)

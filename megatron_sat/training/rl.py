@@ -59,7 +59,7 @@ from megatron_sat.rollout.embedded.launch import EmbeddedServer
 from megatron_sat.rollout.fleet import PushReport, RolloutFleet, sync_servers
 from megatron_sat.rollout.meter import ServerMeter, server_metrics
 from megatron_sat.rollout.pool import NoLiveServer, RolloutPool, informative_batch
-from megatron_sat.rollout.rewards import math_reward
+from megatron_sat.rollout.rewards import RewardWorkers
 from megatron_sat.rollout.seeds import request_seed
 from megatron_sat.rollout.types import Sample, staleness
 from megatron_sat.training.batch_transfer import distribute_batch
@@ -97,6 +97,17 @@ def rollout_clients(cfg: RunConfig) -> Iterator[list[SGLangClient]]:
             for i in range(cfg.rollout.num_embedded_servers)
         ]
         yield [SGLangClient(server.url) for server in servers]
+
+
+def rollout_dispatch(cfg: RunConfig) -> str:
+    """How the pools send requests (``rollout.pool.DISPATCH``): ``per_request`` to servers
+    given by URL (SGLang, vLLM: continuous batching, so a long response holds only itself;
+    rendered SGLang servers run ``--enable-deterministic-inference``, batch-invariant), and
+    ``per_server`` to embedded servers: their engine is not batch-invariant (the same seeded
+    request's log-probs differ by up to 1e-6 alone and in a batch, measured) and batches
+    statically, so per-request arrival would make seeded runs differ bit for bit and would
+    not free a server sooner."""
+    return "per_request" if cfg.rollout.server_urls else "per_server"
 
 
 def rollout_fleet(cfg: RunConfig) -> RolloutFleet:
@@ -443,16 +454,21 @@ def _lead(
     resume_step = None if state is None else state.step
     if fresh_after_crash:
         resume_step = -1  # drop every line the killed run logged
-    with rollout_fleet(cfg) as fleet, RunLogger(run_dir, resume_step) as logger:
+    with (
+        rollout_fleet(cfg) as fleet,
+        RunLogger(run_dir, resume_step) as logger,
+        RewardWorkers() as rewards,  # scored concurrently, math-verify's timeouts on
+    ):
         # One meter for both pools: a server is busy while either has a request on it.
         meter = ServerMeter(len(fleet.clients))
         pool = RolloutPool(
             fleet.clients,
             tokenizer,
-            math_reward,
+            rewards,
             routing=RoutingSpec(num_layers, top_k, num_experts),
             stop_token_ids=[tokenizer.eos_token_id],
             meter=meter,
+            dispatch=rollout_dispatch(cfg),
         )
         pools: list[RolloutPool | AsyncRolloutPool] = [pool]
         version = 0 if state is None else state.weight_version
@@ -468,7 +484,7 @@ def _lead(
             async_pool = AsyncRolloutPool(
                 fleet.clients,
                 tokenizer,
-                math_reward,
+                rewards,
                 prompts,
                 AsyncPoolConfig(
                     mode=ro.mode,
@@ -478,6 +494,7 @@ def _lead(
                     on_update=ro.on_update,
                     filter_groups=ro.filter_groups,
                     max_replacements=ro.max_replacement_groups,
+                    dispatch=rollout_dispatch(cfg),
                 ),
                 SamplingParams(
                     temperature=ro.temperature,

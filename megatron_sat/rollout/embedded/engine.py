@@ -142,9 +142,17 @@ class GenerationEngine:
         return out.logits[:, -1].float(), routes
 
     def generate(
-        self, requests: Sequence[EngineRequest], should_abort: Callable[[], bool] = lambda: False
+        self,
+        requests: Sequence[EngineRequest],
+        should_abort: Callable[[], bool] = lambda: False,
+        on_finish: Callable[[int, EngineOutput], None] | None = None,
     ) -> list[EngineOutput]:
         """Complete a batch; ``should_abort`` is polled between decode steps.
+
+        ``on_finish(b, output)``, when given, is called as soon as request ``b`` stops or
+        reaches its length (its output, routed experts included, is final then), so a server
+        can answer it while longer requests of the batch still decode, as SGLang returns each
+        request when it finishes. Aborted requests are not reported there.
 
         Raises:
             ValueError: on an empty prompt or a token id outside the vocabulary.
@@ -183,6 +191,10 @@ class GenerationEngine:
                     active[b] = False
                 elif len(outputs[b].output_ids) >= req.sampling.max_new_tokens:
                     active[b] = False
+                if not active[b] and on_finish is not None:
+                    # Its last token never goes through the model: its routes are complete.
+                    outputs[b].routed_experts = torch.cat(route_rows[b]).numpy()
+                    on_finish(b, outputs[b])
             if not any(active):
                 break
             if should_abort():
@@ -197,7 +209,8 @@ class GenerationEngine:
                 if active[b]:
                     route_rows[b].append(routes[b])
         for out, rows in zip(outputs, route_rows, strict=True):
-            out.routed_experts = torch.cat(rows).numpy()
+            if out.routed_experts is None:
+                out.routed_experts = torch.cat(rows).numpy()
         return outputs
 
     def _sample(

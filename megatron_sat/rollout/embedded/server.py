@@ -39,6 +39,10 @@ Deliberate differences from SGLang, each loud rather than silent:
 - ``return_routed_experts`` without ``--enable-return-routed-experts`` is HTTP 400 (SGLang
   silently omits the field).
 - There is no prefix cache, so a permitted ``/flush_cache`` has nothing to drop.
+- Batching is static: requests that arrive while a batch decodes wait until it ends (SGLang
+  admits them between decode steps: continuous batching). Within a batch each ``/generate``
+  is answered as soon as its own requests finish, as SGLang does, so a short request does not
+  wait for a long one it was batched with.
 - Pause mode "in_place" suspends the running batch after its current decode step with its KV
   cache (as SGLang) and resumes it at ``/continue_generation``; "retract" lets the running
   batch finish before the pause returns (SGLang retracts it to the waiting queue and recomputes
@@ -290,23 +294,49 @@ class _Scheduler:
                 self._running = size
                 self.model_lock.acquire()
             try:
-                requests = [r for work in batch for r in work.requests]
-                outputs = self.engine.generate(requests, should_abort=self._between_steps)
-                version = self.weight_version
-            except Exception as e:
-                logger.exception("generation failed")
-                for work in batch:
-                    work.future.set_exception(e)
-            else:
-                start = 0
-                for work in batch:
-                    work.future.set_result((outputs[start : start + len(work.requests)], version))
-                    start += len(work.requests)
+                self._run(batch)
             finally:
                 self.model_lock.release()
                 with self._cond:
                     self._running = 0
                     self._cond.notify_all()
+
+    def _run(self, batch: list[_Work]) -> None:
+        """Decode ``batch`` (caller holds ``model_lock``). Each work (one /generate) is
+        answered once all its requests finished, while the rest of the batch decodes on
+        (SGLang answers each request when it finishes)."""
+        requests = [r for work in batch for r in work.requests]
+        owner = [w for w, work in enumerate(batch) for _ in work.requests]
+        starts = [sum(len(work.requests) for work in batch[:w]) for w in range(len(batch))]
+        finished = [0] * len(batch)
+        outputs: list[EngineOutput | None] = [None] * len(requests)
+        answered: set[int] = set()
+
+        def answer(w: int) -> None:
+            answered.add(w)
+            mine = outputs[starts[w] : starts[w] + len(batch[w].requests)]
+            # weight_version cannot change while this thread holds model_lock.
+            batch[w].future.set_result((mine, self.weight_version))
+
+        def on_finish(b: int, output: EngineOutput) -> None:
+            outputs[b] = output
+            finished[owner[b]] += 1
+            if finished[owner[b]] == len(batch[owner[b]].requests):
+                answer(owner[b])
+
+        try:
+            outputs[:] = self.engine.generate(
+                requests, should_abort=self._between_steps, on_finish=on_finish
+            )
+        except Exception as e:
+            logger.exception("generation failed")
+            for w, work in enumerate(batch):
+                if w not in answered:
+                    work.future.set_exception(e)
+            return
+        for w in range(len(batch)):
+            if w not in answered:
+                answer(w)
 
 
 def _aborted(request: EngineRequest) -> EngineOutput:
