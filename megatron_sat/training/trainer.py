@@ -728,7 +728,8 @@ class PolicyTrainer:
             return output, None
 
         with self._stage_replay(mbs, training=False) if replay else contextlib.nullcontext():
-            run_pipeline_schedule(self.model, mbs, forward, forward_only=True)
+            if mbs:  # (a pipeline without samples: every stage has none, nothing to send)
+                run_pipeline_schedule(self.model, mbs, forward, forward_only=True)
         matches = self._topk_agreements(counts)
         return [
             (log_probs.get(i), None if mb.routes is None else match)
@@ -786,7 +787,8 @@ class PolicyTrainer:
             return output, loss_fn
 
         with self._stage_replay(forwards, training=True) if replay else contextlib.nullcontext():
-            run_pipeline_schedule(self.model, forwards, forward, forward_only=False)
+            if forwards:  # a data-parallel rank without samples (and no EP peers to follow)
+                run_pipeline_schedule(self.model, forwards, forward, forward_only=False)
         if replay:
             for i, match in enumerate(self._topk_agreements(counts)[:num_real]):
                 if i in metrics:
