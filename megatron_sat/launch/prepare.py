@@ -36,6 +36,10 @@ def render_context(cfg, config_path: Path) -> RenderContext:
         log_dir=str(Path(workdir) / (la.log_dir or Path(cfg.run_dir) / "logs")),
         seed=cfg.train.seed,
         max_running_requests=cfg.rollout.prompts_per_step * cfg.rollout.group_size,
+        return_routed_experts=cfg.rollout.return_routed_experts,
+        vllm_python=str(
+            Path(la.vllm_env or Path(workdir) / ".cache" / "vllm-env") / "bin" / "python"
+        ),
     )
 
 

@@ -101,6 +101,10 @@ class RenderContext:
         log_dir: directory of the per-node and per-server logs.
         seed: base random seed of the servers (server i gets seed + i).
         max_running_requests: batch limit of an embedded server.
+        return_routed_experts: whether vLLM servers capture routed experts
+            (``rollout.return_routed_experts``; SGLang's flag is always passed).
+        vllm_python: the vLLM environment's interpreter (``launch.vllm_env``), for
+            ``launch.rollout_engine=vllm``.
     """
 
     config_path: str
@@ -110,6 +114,8 @@ class RenderContext:
     log_dir: str
     seed: int
     max_running_requests: int
+    return_routed_experts: bool = True
+    vllm_python: str | None = None
 
 
 def _q(value: object) -> str:
@@ -164,6 +170,8 @@ def server_command(
             *seed,
             *la.sglang_args,
         ]
+    if la.rollout_engine == "vllm":
+        return _vllm_server_args(plan, ctx, server, host)
     return [
         "-m",
         "megatron_sat.rollout.embedded.server",
@@ -173,6 +181,35 @@ def server_command(
         "--max-running-requests",
         str(ctx.max_running_requests),
     ]
+
+
+def _vllm_server_args(
+    plan: LaunchPlan, ctx: RenderContext, server: RolloutServer, host: str
+) -> list[str]:
+    """A vLLM server (``megatron_sat.rollout.vllm.args.server_args``, as the tests start it):
+    gloo weight transfer and eager fp32 on CPU, nccl on CUDA. Its key, when the launch has
+    keys, comes from ``VLLM_API_KEY`` (``_VLLM_KEY``), never from the command line."""
+    from megatron_sat.rollout.vllm.args import server_args
+
+    cpu = plan.launch.device == "cpu"
+    return server_args(
+        ctx.model_path,
+        server.port,
+        host=host,
+        backend="gloo" if cpu else "nccl",
+        dtype="float32" if cpu else "auto",
+        seed=ctx.seed + server.index,
+        tensor_parallel_size=plan.launch.rollout_server_tp,
+        enforce_eager=cpu,
+        enable_return_routed_experts=ctx.return_routed_experts,
+        extra_args=plan.launch.vllm_args,
+    )
+
+
+def server_python(plan: LaunchPlan) -> str:
+    """The interpreter of the rollout servers in a script: the vLLM environment's for vLLM
+    (``$VLLM_PY``), else the trainer's (``$PY``)."""
+    return '"$VLLM_PY"' if plan.launch.rollout_engine == "vllm" else '"$PY"'
 
 
 def _trainer_args(ctx: RenderContext) -> str:
@@ -194,7 +231,37 @@ def _preamble(plan: LaunchPlan, ctx: RenderContext, title: str) -> list[str]:
         "export PYTHONUNBUFFERED=1",
     ]
     lines += [f"export {k}={_q(v)}" for k, v in sorted(plan.launch.env.items())]
-    return lines + [_HEALTH_FUNCTION] + ([_KEYS_FUNCTION] if uses_keys(plan) else [])
+    lines += [_HEALTH_FUNCTION] + ([_KEYS_FUNCTION] if uses_keys(plan) else [])
+    if plan.launch.rollout_engine == "vllm":
+        lines += _vllm_preamble(plan, ctx)
+    return lines
+
+
+def _vllm_preamble(plan: LaunchPlan, ctx: RenderContext) -> list[str]:
+    """The vLLM servers' interpreter (their own environment and pins), the dev-mode routes
+    (pause, resume, weight transfer), and with keys the API key in ``VLLM_API_KEY``."""
+    from megatron_sat.rollout.vllm.args import DEV_MODE_ENV
+
+    lines = [
+        "# vLLM servers run from their own environment (tools/vllm_env.sh makes the CPU one).",
+        f"VLLM_PY={_q(ctx.vllm_python)}",
+        '[[ -x "$VLLM_PY" ]] || { echo "no vLLM interpreter at $VLLM_PY (launch.vllm_env; '
+        'bash tools/vllm_env.sh makes the CPU one)" >&2; exit 1; }',
+    ]
+    lines += [f"export {k}={_q(v)}" for k, v in DEV_MODE_ENV.items()]
+    if uses_keys(plan):
+        lines += [_VLLM_KEY]
+    return lines
+
+
+# vLLM 0.32 takes --api-key or VLLM_API_KEY (entrypoints/serve/middleware/register.py); the
+# environment keeps the key off every command line. vLLM has no admin key: its
+# AuthenticationMiddleware guards only /v1, /v2, /inference and /cohere, so the weight and
+# pause routes of VLLM_SERVER_DEV_MODE stay open to whoever reaches the port.
+_VLLM_KEY = """API_KEY_PY='import sys, yaml; print(yaml.safe_load(open(sys.argv[1]))["api-key"])'
+VLLM_API_KEY="$("$PY" -c "$API_KEY_PY" "$KEY_FILE")"
+export VLLM_API_KEY
+"""
 
 
 def _devices(values: tuple[int, ...] | range) -> str:
@@ -237,7 +304,7 @@ def render_torchrun(plan: LaunchPlan, ctx: RenderContext) -> str:
         env = f"CUDA_VISIBLE_DEVICES={_devices(s.devices)} " if la.device == "cuda" else ""
         argv = _argv(server_command(plan, ctx, s))
         lines += [
-            f'{env}"$PY" {argv} > {log} 2>&1 &',
+            f"{env}{server_python(plan)} {argv} > {log} 2>&1 &",
             "SERVER_PIDS+=($!)",
             f'URLS+=("\\"http://127.0.0.1:{s.port}\\"")',
         ]
@@ -309,9 +376,9 @@ def render_sbatch(plan: LaunchPlan, ctx: RenderContext) -> str:
         output = _server_log(log, True) if keys else f'--output="$LOG_DIR/server_{s.index}_%N.log"'
         step = f'srun --overlap --nodes=1 --ntasks=1 --nodelist="{node}"'
         lines += [
-            f'{step} {env}"$PY" {argv} {output} &'
+            f"{step} {env}{server_python(plan)} {argv} {output} &"
             if keys
-            else f'{step} {output} {env}"$PY" {argv} &',
+            else f"{step} {output} {env}{server_python(plan)} {argv} &",
             "SERVER_PIDS+=($!)",
             f'URLS+=("\\"http://{host}:{s.port}\\"")',
         ]
@@ -361,14 +428,18 @@ def render_mpirun(plan: LaunchPlan, ctx: RenderContext) -> str:
         "URLS=()",
     ]
     exports = " ".join(f"-x {k}" for k in ["PYTHONUNBUFFERED", *sorted(la.env)])
+    # mpirun hands a remote rank only the variables named by -x (values taken from here).
+    server_exports = exports
+    if la.rollout_engine == "vllm":
+        server_exports += " -x VLLM_SERVER_DEV_MODE -x VLLM_API_KEY"
     for s in plan.servers:
         host = hosts[s.node]
         log = f'"$LOG_DIR/server_{s.index}.log"'
         cuda = f" -x CUDA_VISIBLE_DEVICES={_devices(s.devices)}" if la.device == "cuda" else ""
         argv = _argv(server_command(plan, ctx, s, host))
         lines += [
-            f'mpirun "${{MPI_FLAGS[@]}}" -np 1 --host {_q(host)}:1 {exports}{cuda} '
-            f'"$PY" {argv} {_server_log(log, True)} &',
+            f'mpirun "${{MPI_FLAGS[@]}}" -np 1 --host {_q(host)}:1 {server_exports}{cuda} '
+            f"{server_python(plan)} {argv} {_server_log(log, True)} &",
             "SERVER_PIDS+=($!)",
             f'URLS+=("\\"http://{host}:{s.port}\\"")',
         ]

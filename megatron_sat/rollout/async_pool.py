@@ -741,12 +741,14 @@ class AsyncRolloutPool:
         requeue: list[_Job] = []
         try:
             for job, out in zip(jobs, outputs, strict=True):
-                version = parse_weight_version(out.weight_version, url)
+                parse_weight_version(out.weight_version, url)  # even for an empty output
+                # Per token: an engine reporting per-token versions (vLLM's spans) keeps them.
+                versions = [parse_weight_version(v, url) for v in out.token_versions()]
                 if out.finish_reason == "abort":
                     if self.config.on_update == "resume":
                         job.response_ids += out.output_ids
                         job.log_probs += out.output_token_logprobs
-                        job.versions += [version] * len(out.output_ids)
+                        job.versions += versions
                         self.stats.resumed += 1
                     else:
                         job.response_ids, job.log_probs, job.versions = [], [], []
@@ -755,7 +757,7 @@ class AsyncRolloutPool:
                     continue
                 job.response_ids += out.output_ids
                 job.log_probs += out.output_token_logprobs
-                job.versions += [version] * len(out.output_ids)
+                job.versions += versions
                 finished.append((job, out))
         finally:
             # Before the samples are published, so a snapshot taken once the trainer has them

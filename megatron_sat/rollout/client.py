@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -173,6 +173,10 @@ class GenerateOutput:
         prompt_tokens: P.
         completion_tokens: R.
         meta_info: the raw meta_info object, for anything not typed above.
+        output_token_versions: the weight version of each output token (length R) when the
+            engine reports one per token (vLLM's ``weight_versions`` spans: a request that
+            runs across a weight update has tokens of both versions); None when it reports one
+            per request (SGLang: every token is given ``weight_version``).
     """
 
     output_ids: list[int]
@@ -183,6 +187,23 @@ class GenerateOutput:
     prompt_tokens: int
     completion_tokens: int
     meta_info: dict[str, Any] = field(default_factory=dict, repr=False)
+    output_token_versions: list[str] | None = None
+
+    def token_versions(self) -> list[str]:
+        """The weight version of each output token: ``output_token_versions`` when the engine
+        reported them, else ``weight_version`` for every token.
+
+        Raises:
+            ValueError: when ``output_token_versions`` does not have one entry per token.
+        """
+        if self.output_token_versions is None:
+            return [self.weight_version] * len(self.output_ids)
+        if len(self.output_token_versions) != len(self.output_ids):
+            raise ValueError(
+                f"{len(self.output_token_versions)} output_token_versions for "
+                f"{len(self.output_ids)} output tokens"
+            )
+        return list(self.output_token_versions)
 
 
 class SGLangClient:
@@ -249,7 +270,7 @@ class SGLangClient:
             SGLangError: on HTTP errors, a missing field (e.g. routed_experts when the server
                 was started without --enable-return-routed-experts) or inconsistent output.
         """
-        batch = [list(p) for p in input_ids] if _is_batch(input_ids) else [list(input_ids)]
+        batch = [list(p) for p in input_ids] if is_batch(input_ids) else [list(input_ids)]
         if not batch or any(len(p) == 0 for p in batch):
             raise ValueError("every prompt needs at least one token")
         if isinstance(sampling, SamplingParams):
@@ -258,9 +279,9 @@ class SGLangClient:
             params = [s.to_json() for s in sampling]
             if len(params) != len(batch):
                 raise ValueError(f"{len(params)} sampling params for {len(batch)} prompts")
-            params = params if _is_batch(input_ids) else params[0]
+            params = params if is_batch(input_ids) else params[0]
         body: dict[str, Any] = {
-            "input_ids": batch if _is_batch(input_ids) else batch[0],
+            "input_ids": batch if is_batch(input_ids) else batch[0],
             "sampling_params": params,
             "return_logprob": return_logprob,
         }
@@ -486,38 +507,79 @@ class SGLangClient:
         A weight-update reply with HTTP 400 and ``success: false`` is returned, not raised, so
         the caller can surface the server's message.
         """
-        attempts = 1 + (self.max_retries if retry else 0)
-        delay = self.retry_backoff_s
-        for attempt in range(attempts):
-            try:
-                response = self._http.request(
-                    method, endpoint, json=body, headers=self.keys.header_for(endpoint)
-                )
-            except httpx.TransportError as e:
-                if attempt + 1 < attempts and isinstance(
-                    e, (httpx.ConnectError, httpx.ConnectTimeout)
-                ):
-                    time.sleep(delay)
-                    delay *= 2
-                    continue
-                raise SGLangError(f"{method} {self.base_url}{endpoint} failed: {e!r}") from e
-            if response.status_code == 503 and attempt + 1 < attempts:
+        return request_with_retries(
+            self._http,
+            method,
+            endpoint,
+            body,
+            attempts=1 + (self.max_retries if retry else 0),
+            backoff_s=self.retry_backoff_s,
+            headers=self.keys.header_for(endpoint),
+            accept=lambda r: r.is_success or _is_success_false(r),
+        )
+
+
+# Transport errors after which a retry may succeed: the server was not reached.
+RETRY_TRANSPORT_ERRORS: tuple[type[httpx.TransportError], ...] = (
+    httpx.ConnectError,
+    httpx.ConnectTimeout,
+)
+
+
+def request_with_retries(
+    http: httpx.Client,
+    method: str,
+    endpoint: str,
+    body: Any,
+    *,
+    attempts: int,
+    backoff_s: float,
+    headers: dict[str, str] | None = None,
+    accept: Callable[[httpx.Response], bool] = lambda response: response.is_success,
+    retry_on: tuple[type[httpx.TransportError], ...] = RETRY_TRANSPORT_ERRORS,
+    error: type[SGLangError] = SGLangError,
+    request_error: type[SGLangRequestError] = SGLangRequestError,
+) -> httpx.Response:
+    """One HTTP call of a rollout client, with the retry policy of this module's docstring
+    (shared by the SGLang and vLLM clients): up to ``attempts`` tries, retried after a
+    ``retry_on`` transport error or HTTP 503, sleeping ``backoff_s``, doubled after each.
+
+    Returns:
+        the first response ``accept`` takes (default: any 2xx).
+
+    Raises:
+        request_error: on another HTTP 4xx than 408/429 (the request is at fault; its
+            ``status_code`` is set).
+        error: on any other failure, naming the method, the URL and the endpoint.
+    """
+    base = str(http.base_url).rstrip("/")
+    delay = backoff_s
+    for attempt in range(attempts):
+        last = attempt + 1 == attempts
+        try:
+            response = http.request(method, endpoint, json=body, headers=headers)
+        except httpx.TransportError as e:
+            if not last and isinstance(e, retry_on):
                 time.sleep(delay)
                 delay *= 2
                 continue
-            if response.is_success or _is_success_false(response):
-                return response
-            message = (
-                f"{method} {self.base_url}{endpoint} -> HTTP {response.status_code}: "
-                f"{response.text[:1000]}"
-            )
-            if 400 <= response.status_code < 500 and response.status_code not in (408, 429):
-                raise SGLangRequestError(message, response.status_code)
-            raise SGLangError(message)
-        raise AssertionError("unreachable")
+            raise error(f"{method} {base}{endpoint} failed: {e!r}") from e
+        if response.status_code == 503 and not last:
+            time.sleep(delay)
+            delay *= 2
+            continue
+        if accept(response):
+            return response
+        status = response.status_code
+        message = f"{method} {base}{endpoint} -> HTTP {status}: {response.text[:1000]}"
+        if 400 <= status < 500 and status not in (408, 429):
+            raise request_error(message, status)
+        raise error(message)
+    raise ValueError(f"attempts must be >= 1, got {attempts}")
 
 
-def _is_batch(input_ids: Sequence[int] | Sequence[Sequence[int]]) -> bool:
+def is_batch(input_ids: Sequence[int] | Sequence[Sequence[int]]) -> bool:
+    """Whether ``input_ids`` is a batch of prompts (a list of lists) rather than one prompt."""
     return len(input_ids) > 0 and not isinstance(input_ids[0], (int, np.integer))
 
 

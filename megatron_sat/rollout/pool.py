@@ -419,7 +419,9 @@ class RolloutPool:
         url: str,
         reward: float,
     ) -> Sample:
-        version = parse_weight_version(out.weight_version, url)
+        parse_weight_version(out.weight_version, url)  # refused even for an empty response
+        # Per token: an engine reporting per-token versions (vLLM's spans) keeps them.
+        versions = [parse_weight_version(v, url) for v in out.token_versions()]
         text = self.tokenizer.decode(out.output_ids, skip_special_tokens=True)
         return Sample(
             index=next(self._next_index),
@@ -429,7 +431,7 @@ class RolloutPool:
             prompt_ids=list(prompt_ids),
             response_ids=list(out.output_ids),
             rollout_log_probs=list(out.output_token_logprobs),
-            response_versions=[version] * len(out.output_ids),
+            response_versions=versions,
             routed_experts=out.routed_experts,
             finish_reason=out.finish_reason,
             reward=float(reward),

@@ -120,7 +120,12 @@ def rollout_fleet(cfg: RunConfig) -> RolloutFleet:
     if cfg.rollout.engine == "vllm":
         from megatron_sat.rollout.vllm.fleet import VLLMFleet
 
-        return VLLMFleet.from_urls(cfg.rollout.server_urls, updater_options=options)
+        keys = server_keys(cfg)  # vLLM has one key level: its --api-key (VLLM_API_KEY)
+        return VLLMFleet.from_urls(
+            cfg.rollout.server_urls,
+            api_key=None if keys is None else keys.api_key,
+            updater_options=options,
+        )
     if cfg.rollout.server_urls:
         return RolloutFleet.from_urls(
             cfg.rollout.server_urls, keys=server_keys(cfg), updater_options=options
@@ -349,10 +354,17 @@ def validate_run(cfg: RunConfig, world: int | None = None) -> None:
     Raises:
         FileNotFoundError: ``init_checkpoint`` is not an HF checkpoint directory, or a
             dataset is missing.
-        ValueError: naming the config field (layout) or the dataset row (length).
+        ValueError: naming the config field (layout, rollout.engine=vllm without
+            rollout.server_urls) or the dataset row (length).
     """
     from megatron_sat.launch.plan import check_train_layout
 
+    if cfg.rollout.engine == "vllm" and not cfg.rollout.server_urls:
+        raise ValueError(
+            "rollout.engine=vllm needs rollout.server_urls (running vLLM servers, or the ones "
+            "megatron-sat launch starts with launch.rollout_engine=vllm; the embedded servers "
+            "speak SGLang's API)"
+        )
     if not (Path(cfg.init_checkpoint) / "config.json").is_file():
         raise FileNotFoundError(
             f"init_checkpoint={cfg.init_checkpoint!r} is not an HF checkpoint directory "
@@ -461,11 +473,14 @@ def _lead(
     ):
         # One meter for both pools: a server is busy while either has a request on it.
         meter = ServerMeter(len(fleet.clients))
+        # Routes are asked for only when configured (R3 needs them: RunConfig refuses R3
+        # without); a sample without them then trains without the routing diagnostics.
+        routing = RoutingSpec(num_layers, top_k, num_experts) if ro.return_routed_experts else None
         pool = RolloutPool(
             fleet.clients,
             tokenizer,
             rewards,
-            routing=RoutingSpec(num_layers, top_k, num_experts),
+            routing=routing,
             stop_token_ids=[tokenizer.eos_token_id],
             meter=meter,
             dispatch=rollout_dispatch(cfg),
@@ -503,7 +518,7 @@ def _lead(
                     max_new_tokens=ro.max_new_tokens,
                     stop_token_ids=(tokenizer.eos_token_id,),
                 ),
-                routing=RoutingSpec(num_layers, top_k, num_experts),
+                routing=routing,
                 meter=meter,
                 # Batch b is consumed by step first_step + b; drawn counts from pool_start.
                 seed_of=lambda b, drawn, slot: request_seed(

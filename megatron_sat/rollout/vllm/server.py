@@ -10,18 +10,17 @@ for a distribution named ``vllm`` and fails), with what the rollout client relie
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import subprocess
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 
 import httpx
 
+from megatron_sat.rollout.vllm.args import DEV_MODE_ENV, server_args
 from megatron_sat.rollout.vllm.client import VLLMClient
-from megatron_sat.rollout.vllm.updater import VLLM_BACKENDS
 
 ROOT = Path(__file__).resolve().parents[3]
 DEFAULT_ENV = ROOT / ".cache" / "vllm-env"
@@ -41,54 +40,9 @@ def vllm_python(env_dir: str | Path | None = None) -> Path:
     return python
 
 
-def server_command(
-    model: str | Path,
-    port: int,
-    *,
-    python: str | Path,
-    host: str = "127.0.0.1",
-    backend: str = "gloo",
-    dtype: str = "float32",
-    max_model_len: int | None = None,
-    seed: int = 0,
-    enforce_eager: bool = True,
-    enable_return_routed_experts: bool = False,
-    extra_args: Sequence[str] = (),
-) -> list[str]:
-    """The argv of one vLLM server (module docstring).
-
-    Raises:
-        ValueError: for a backend other than "gloo" or "nccl".
-    """
-    if backend not in VLLM_BACKENDS:
-        raise ValueError(f"backend must be one of {sorted(VLLM_BACKENDS)}, got {backend!r}")
-    cmd = [
-        str(python),
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        str(model),
-        "--host",
-        host,
-        "--port",
-        str(port),
-        "--dtype",
-        dtype,
-        "--seed",
-        str(seed),
-        "--enable-scale-out",
-        "--logprobs-mode",
-        "processed_logprobs",
-        "--weight-transfer-config",
-        json.dumps({"backend": VLLM_BACKENDS[backend]}),
-    ]
-    if max_model_len is not None:
-        cmd += ["--max-model-len", str(max_model_len)]
-    if enforce_eager:
-        cmd.append("--enforce-eager")
-    if enable_return_routed_experts:
-        cmd.append("--enable-return-routed-experts")
-    return cmd + list(extra_args)
+def server_command(model: str | Path, port: int, *, python: str | Path, **options) -> list[str]:
+    """The argv of one vLLM server: ``python`` and :func:`server_args` (``options``)."""
+    return [str(python), *server_args(model, port, **options)]
 
 
 def server_env(base: Mapping[str, str], *, cpu_threads: str = "0-1", kv_cache_gib: int = 1) -> dict:
@@ -96,7 +50,7 @@ def server_env(base: Mapping[str, str], *, cpu_threads: str = "0-1", kv_cache_gi
     ``cpu_threads`` (a range like "0-1"; vLLM refuses "all"), KV cache in GiB."""
     env = dict(base)
     env.update(
-        VLLM_SERVER_DEV_MODE="1",
+        DEV_MODE_ENV,
         VLLM_CPU_OMP_THREADS_BIND=cpu_threads,
         VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gib),
     )

@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 
+from megatron_sat.rollout.vllm.args import VLLM_BACKENDS
 from megatron_sat.rollout.vllm.client import VLLMClient
 from megatron_sat.weight_sync.broadcast import UpdateStats, WeightSyncError, pack_order
 from megatron_sat.weight_sync.group import (
@@ -53,8 +54,6 @@ from megatron_sat.weight_sync.group import (
     create_weight_update_group,
     host_store,
 )
-
-VLLM_BACKENDS = {"gloo": "megatron_sat_gloo", "nccl": "nccl"}
 
 
 def layer_key(name: str) -> str:
