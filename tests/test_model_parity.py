@@ -270,10 +270,10 @@ def test_rope_theta_nested_or_top_level():
     assert transformer_config_from_hf(top).rotary_base == 5e5
 
 
+@pytest.mark.parametrize("arch_case", ["DeepseekV3ForCausalLM"], indirect=True)
 def test_deepseek_router_is_sigmoid_with_fp32_expert_bias(arch_case):
     arch, hf_model, path, model = arch_case
-    if arch != "DeepseekV3ForCausalLM":
-        pytest.skip("DeepSeek-V3 only")
+    assert arch == "DeepseekV3ForCausalLM"
     router = model.decoder.layers[1].mlp.router
     assert model.config.moe_router_score_function == "sigmoid"
     assert router.expert_bias.dtype == torch.float32

@@ -9,6 +9,7 @@ push itself: a push missing a TP shard or an EP rank's experts would show as a l
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -100,7 +101,15 @@ def test_a_failure_of_rank_0_inside_a_step_ends_the_job_promptly(tmp_path, tiny_
         "train.distributed_timeout_minutes=1",
         "parallel.expert_model_parallel_size=2",
     ]
+    mark = tmp_path / "failed_at"
     with pytest.raises(AssertionError, match="injected failure on rank 0"):
         run_torchrun(
-            "tests/dist/rl_abort.py", "abort=" + ";".join(overrides), done="never", timeout=45
+            "tests/dist/rl_abort.py",
+            "abort=" + ";".join(overrides),
+            done="never",
+            timeout=600,  # start-up under CI's load can take minutes: timed from the failure
+            env={"RL_ABORT_MARK": str(mark)},
         )
+    # A job waiting in rank 1's collectives would end only after the 60 s timeout.
+    ended_after = time.time() - float(mark.read_text())
+    assert ended_after < 40, f"the job ended {ended_after:.1f} s after rank 0's failure"
