@@ -4,11 +4,14 @@ One uninterrupted run of ``megatron-sat train`` (a tiny random Qwen3-MoE, the ar
 task, one embedded rollout server, checkpoints every 2 steps) is the reference. Then, for
 each of ``--points`` kill points, a fresh run is killed -- either at a random moment of its
 wall time, or between the run checkpoint commit's steps (``MEGATRON_SAT_CRASH_AT``, phases
-written/renamed/committed) -- and resumed with ``train.resume=true`` until it finishes. A kill
-point counts as identical when every non-timing metric of ``metrics.jsonl`` and every tensor
-of the final ``checkpoint/model.safetensors`` equal the reference's bit for bit.
-``orphans`` counts the processes of the killed runs (anything whose command line names the
-run's checkpoint) still alive 15 s after each kill.
+writing/written/renamed/committed) -- and resumed with ``train.resume=true`` until it
+finishes. A kill point counts as identical when every non-timing metric of
+``metrics.jsonl`` and every tensor of the final ``checkpoint/model.safetensors`` equal the
+reference's bit for bit.
+``orphans`` counts the processes of the killed runs still alive 15 s after each kill: every
+process whose environment carries the kill point's tag (``CRASH_RESUME_TAG``, inherited by
+all the trainer's children: embedded servers, forked checkpoint writers, the resource
+tracker), or whose command line names the run's checkpoint.
 
 The last line is JSON: ``resumed_identical`` (fraction of kill points, goal 1.0),
 ``orphans`` (goal 0), the kill points, the seconds of the reference run.
@@ -29,7 +32,8 @@ import time
 from pathlib import Path
 
 TIMING = ("time/", "per_s", "utilisation")
-PHASES = ("written", "renamed", "committed")
+PHASES = ("writing", "written", "renamed", "committed")  # checkpoint.run_state.COMMIT_PHASES
+TAG = "CRASH_RESUME_TAG"
 
 
 def make_inputs(root: Path) -> tuple[Path, Path]:
@@ -79,24 +83,32 @@ def weights(run_dir: Path) -> dict:
     return load_file(run_dir / "checkpoint" / "model.safetensors")
 
 
-def alive_mentioning(text: str) -> list[int]:
+def alive_of(text: str, tag: str) -> list[int]:
+    """Live processes whose command line contains ``text`` or whose environment has ``tag``
+    (``NAME=value``)."""
     found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
             state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
         except OSError:
             continue
-        if text in cmdline and state != "Z" and int(pid) != os.getpid():
+        mine = text in cmdline or tag.encode() in environ
+        if mine and state != "Z" and int(pid) != os.getpid():
             found.append(int(pid))
     return found
 
 
-def orphans_after(ckpt: Path, wait_s: float = 15.0) -> int:
+def orphans_after(ckpt: Path, tag: str, wait_s: float = 15.0) -> int:
     deadline = time.time() + wait_s
-    while time.time() < deadline and alive_mentioning(str(ckpt)):
+    while time.time() < deadline and alive_of(str(ckpt), tag):
         time.sleep(0.2)
-    return len(alive_mentioning(str(ckpt)))
+    left = alive_of(str(ckpt), tag)
+    for pid in left:  # reported, then ended (only processes of this benchmark's runs)
+        print(f"orphan {pid}: {Path(f'/proc/{pid}/cmdline').read_bytes()[:200]!r}")
+        os.kill(pid, signal.SIGKILL)
+    return len(left)
 
 
 def main() -> None:
@@ -122,17 +134,19 @@ def main() -> None:
         for i in range(args.points):
             run_dir = root / f"kill{i}"
             resume = command(run_dir, ckpt, data, args.mode, "train.resume=true")
+            tag = f"{TAG}={os.getpid()}.{i}"
+            tagged = {**env, TAG: tag.split("=", 1)[1]}
             if i % 2 == 0:  # between the commit's steps, at a checkpointed step
-                point = f"{PHASES[rng.randrange(3)]}:{rng.choice([2, 4])}"
+                point = f"{PHASES[rng.randrange(len(PHASES))]}:{rng.choice([2, 4])}"
                 proc = subprocess.run(
-                    resume, env={**env, "MEGATRON_SAT_CRASH_AT": point}, capture_output=True
+                    resume, env={**tagged, "MEGATRON_SAT_CRASH_AT": point}, capture_output=True
                 )
                 killed = proc.returncode == -signal.SIGKILL
             else:  # at a random moment (checkpoint writes included)
                 delay = rng.uniform(0.3, 0.9) * ref_s
                 point = f"t={delay:.1f}s"
                 with open(root / f"kill{i}.log", "wb") as log:
-                    proc = subprocess.Popen(resume, env=env, stdout=log, stderr=log)
+                    proc = subprocess.Popen(resume, env=tagged, stdout=log, stderr=log)
                     try:
                         proc.wait(timeout=delay)
                         killed = False
@@ -140,7 +154,7 @@ def main() -> None:
                         proc.send_signal(signal.SIGKILL)
                         proc.wait()
                         killed = True
-            orphans += orphans_after(ckpt)
+            orphans += orphans_after(ckpt, tag)
             if killed:
                 done = subprocess.run(resume, env=env, capture_output=True)
                 ok = done.returncode == 0

@@ -221,6 +221,25 @@ def test_exec_child_ends_with_a_sigkilled_parent(delay):
         proc.kill()
 
 
+def test_embedded_server_whose_parent_died_exits_before_importing_torch(tmp_path):
+    """A server whose parent is gone (its recorded parent pid is not its parent) exits at its
+    first import, before torch: a trainer killed while its server imports leaves nothing
+    (the import times Python prints show how far it got)."""
+    from megatron_sat.platform.lifetime import PARENT_PID_ENV, PDEATHSIG_ENV
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatron_sat.rollout.embedded.server", "--model-path",
+         str(tmp_path), "--port", "1"],
+        env={**os.environ, PARENT_PID_ENV: "1", PDEATHSIG_ENV: "0", "PYTHONPROFILEIMPORTTIME": "1"},
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    imported = [line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines()]
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    # The guard's own line never comes: Python prints an import when it completes.
+    assert "megatron_sat.rollout.embedded" in imported
+    assert "torch" not in imported and "uvicorn" not in imported
+
+
 def test_layout_checked_at_the_trainer_world(tiny_hf_config):
     from megatron_sat.config import load_config
 
@@ -562,3 +581,41 @@ def test_bounded_pool_state_at_a_checkpoint_is_restored_exactly():
     b.stop()
     assert got_b == got_a
     assert all(len(s["response_ids"]) == 3 for s in got_a)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_bounded_run_resumes_from_the_pool_as_it_stood(tmp_path, crash_inputs):
+    """Bounded mode is not repeatable (which version produces which token depends on timing:
+    two uninterrupted runs differ from step 2 on), so a resumed run cannot equal a reference
+    one. What is exact: the step after the checkpoint resumed from. Its batch is finished by
+    the checkpoint's version in both processes (the next push waits for that step), from the
+    restored samples and partial requests, so the killed process's step and the resumed
+    one's are bit-identical; re-drawing the batches ahead instead (the old resume) regenerates
+    them from the prompt at another version."""
+    checkpoint, arith_dir = crash_inputs
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
+    args = ["rollout.mode=bounded", "rollout.lag=2", "train.num_steps=8", "train.save_every=2"]
+    run = tmp_path / "run"
+    for crash_at in ("written:6", None):
+        tag = f"{tmp_path.name}.{crash_at}"
+        extra = {"MEGATRON_SAT_CRASH_AT": crash_at} if crash_at else {}
+        proc = subprocess.run(
+            _run_cmd(run, arith_dir, checkpoint, "train.resume=true", *args),
+            env={**env, **extra, "MEGATRON_SAT_TEST_RUN": tag},
+            capture_output=True,
+            text=True,
+        )
+        assert proc.returncode == (0 if crash_at is None else -signal.SIGKILL), proc.stderr[-3000:]
+        deadline = time.time() + 15
+        while time.time() < deadline and _tagged(f"MEGATRON_SAT_TEST_RUN={tag}"):
+            time.sleep(0.2)
+        assert _tagged(f"MEGATRON_SAT_TEST_RUN={tag}") == []
+        if crash_at is not None:
+            killed = _metrics(run, INCIDENT)  # steps 0..6; the checkpoint of step 4 is latest
+    resumed = _metrics(run, INCIDENT)
+    assert [r["step"] for r in killed] == list(range(7))
+    assert [r["step"] for r in resumed] == list(range(9))
+    assert resumed[:5] == killed[:5]  # kept from the killed process
+    assert resumed[5] == killed[5]  # generated again after the resume: the same
+    assert killed[5]["rollout/staleness_max"] <= 2

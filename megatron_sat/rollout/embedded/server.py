@@ -68,6 +68,9 @@ then copies them into the model (a request is applied whole or not at all) and s
 
 from __future__ import annotations
 
+# First: a parent killed during the slow imports below must not leave this server behind.
+from megatron_sat.rollout.embedded import _parent_guard  # noqa: F401  isort: skip
+
 import argparse
 import asyncio
 import logging
