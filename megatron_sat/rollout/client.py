@@ -227,10 +227,7 @@ class SGLangClient:
         retry_backoff_s: float = 0.5,
         keys: ServerKeys | None = None,
     ) -> None:
-        if timeout_s <= 0:
-            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-        if max_retries < 0:
-            raise ValueError(f"max_retries must be >= 0, got {max_retries}")
+        check_client_options(timeout_s, max_retries)
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
         self.max_retries = max_retries
@@ -517,6 +514,18 @@ class SGLangClient:
             headers=self.keys.header_for(endpoint),
             accept=lambda r: r.is_success or _is_success_false(r),
         )
+
+
+def check_client_options(timeout_s: float, max_retries: int) -> None:
+    """Validate a rollout client's timeout (seconds) and retry count.
+
+    Raises:
+        ValueError: for ``timeout_s <= 0`` or ``max_retries < 0``, naming the argument.
+    """
+    if timeout_s <= 0:
+        raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+    if max_retries < 0:
+        raise ValueError(f"max_retries must be >= 0, got {max_retries}")
 
 
 # Transport errors after which a retry may succeed: the server was not reached.

@@ -47,6 +47,7 @@ from megatron_sat.rollout.client import (
     SamplingParams,
     SGLangError,
     SGLangRequestError,
+    check_client_options,
     is_batch,
     request_with_retries,
 )
@@ -106,10 +107,7 @@ class VLLMClient:
         max_concurrency: int = 64,
         api_key: str | None = None,
     ) -> None:
-        if timeout_s <= 0:
-            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-        if max_retries < 0:
-            raise ValueError(f"max_retries must be >= 0, got {max_retries}")
+        check_client_options(timeout_s, max_retries)
         if max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
         self.base_url = base_url.rstrip("/")
