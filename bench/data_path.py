@@ -25,8 +25,19 @@ Time (one process, all ranks' shares in turn, median of ``--repeats``): from the
 SGLang ``/generate`` responses (``output_ids``, ``meta_info.output_token_logprobs``, base64
 ``routed_experts``) to micro-batches with routes: ``json.loads``, route decoding
 (``routing.payload.decode_routed_experts``), ``Sample`` objects, grouping, and
-``training.batching.build_micro_batch``; in seconds per million tokens. (The 2-process torchrun
-distribution of the batch is not part of this bench.)
+``training.batching.build_micro_batch``; in seconds per million tokens.
+
+Time on every rank of a 2-process torchrun (gloo, one thread per rank; the bench launches it
+with ``--dp 2`` unless ``--no-torchrun``): rank 0 parses the response bodies into samples, the
+batch reaches both ranks as each one's share (``training.batch_transfer.distribute_batch``,
+what ``rl.distributed_rl_step`` does), and each rank groups and builds its micro-batches. Both
+ranks start at one barrier; ``torchrun_s_per_million_tokens`` is the slowest rank's time from
+there to its last micro-batch, per million tokens of the whole batch (median of
+``--repeats``), with each rank's own split (``torchrun_ranks``; rank 1's ``distribute``
+includes waiting for rank 0's parse). The distribution alone, from a barrier after the parse
+(``torchrun_distribute_s_per_million_tokens``), is next to the path it replaced
+(``torchrun_pickled_scatter_s_per_million_tokens``: ``dist.scatter_object_list`` of pickled
+shares on the same gloo world; on NCCL that path also staged the pickles on GPU 0).
 
 Usage: ``python bench/data_path.py [--prompts 32 --group-size 16 --scale 16 --repeats 3]``.
 The last line is JSON.
@@ -38,8 +49,12 @@ import argparse
 import base64
 import json
 import math
+import os
 import statistics
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -126,6 +141,96 @@ def to_samples(bodies, prompts: np.ndarray, layers: int):
     return samples
 
 
+def build_share_micro_batches(samples, advantages, budget: int, routing_shape):
+    """One rank's token-budget micro-batches with routes (what the trainer builds)."""
+    from megatron_sat.training.batching import build_micro_batch
+    from megatron_sat.training.micro_batches import token_budget_micro_batches
+
+    groups = token_budget_micro_batches([s.num_tokens for s in samples], budget)
+    return [
+        build_micro_batch(
+            [samples[i] for i in g], advantages[g], pad_token_id=0, routing_shape=routing_shape
+        )
+        for g in groups
+    ]
+
+
+def dist_worker(args) -> None:
+    """One rank of the torchrun phase (see the module docstring); rank 0 prints one JSON line
+    ``DATA_PATH_TORCHRUN {...}``."""
+    import torch.distributed as dist
+
+    from megatron_sat.training.batch_transfer import distribute_batch
+    from megatron_sat.training.rl import dp_shares
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    num = args.prompts * args.group_size
+    budget = PAPER_BUDGET // args.scale
+    prompts, responses = synthetic_lengths(num, args.scale, args.seed)
+    routing_shape = (args.layers, TOP_K, NUM_EXPERTS)
+    bodies = response_bodies(prompts, responses, args.layers, args.seed) if rank == 0 else None
+    slices = dp_shares(num, args.group_size, world)
+    runs, alone, pickled = [], [], []
+    for _ in range(args.repeats):
+        dist.barrier()
+        t0 = time.perf_counter()
+        samples = advantages = None
+        if rank == 0:
+            samples = to_samples(bodies, prompts, args.layers)
+            advantages = torch.zeros(num)
+        t1 = time.perf_counter()
+        share, share_adv, _ = distribute_batch(samples, advantages, 0, slices, dp_rank=rank)
+        t2 = time.perf_counter()
+        mbs = build_share_micro_batches(share, share_adv, budget, routing_shape)
+        t3 = time.perf_counter()
+        tokens = sum(int(mb.input_ids.numel()) for mb in mbs)
+        runs.append({"parse": t1 - t0, "distribute": t2 - t1, "build": t3 - t2, "total": t3 - t0})
+        del mbs
+        # The distribution alone (batch already parsed), then the path it replaced.
+        dist.barrier()
+        t4 = time.perf_counter()
+        distribute_batch(samples, advantages, 0, slices, dp_rank=rank)
+        alone.append(time.perf_counter() - t4)
+        objects = None
+        if rank == 0:
+            objects = [(samples[sl], advantages[sl], 0) for sl in slices]
+        dist.barrier()
+        t5 = time.perf_counter()
+        box: list = [None]
+        dist.scatter_object_list(box, objects, src=0)
+        pickled.append(time.perf_counter() - t5)
+        del samples, share, box, objects
+    mine = {
+        "rank": rank,
+        **{k: statistics.median(r[k] for r in runs) for k in runs[0]},
+        "distribute_alone": statistics.median(alone),
+        "pickled_scatter": statistics.median(pickled),
+        "padded_tokens": tokens,
+    }
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, mine)
+    if rank == 0:
+        print("DATA_PATH_TORCHRUN " + json.dumps(everyone), flush=True)
+    dist.destroy_process_group()
+
+
+def run_torchrun_phase(args) -> list[dict]:
+    """Launch ``dist_worker`` on 2 local processes; returns each rank's timings."""
+    root = Path(__file__).resolve().parents[1]
+    torchrun = Path(sys.executable).with_name("torchrun")
+    argv = [str(torchrun), "--standalone", "--nproc_per_node=2", __file__, "--dist-worker"]
+    for name in ("prompts", "group_size", "scale", "layers", "repeats", "seed"):
+        argv += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(root))
+    proc = subprocess.run(argv, cwd=root, env=env, capture_output=True, text=True, timeout=1800)
+    line = [x for x in proc.stdout.splitlines() if x.startswith("DATA_PATH_TORCHRUN ")]
+    if proc.returncode != 0 or not line:
+        raise RuntimeError(f"torchrun phase failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    return json.loads(line[0].removeprefix("DATA_PATH_TORCHRUN "))
+
+
 def main() -> None:
     """Run the bench; see the module docstring."""
     from megatron_sat.training.batching import build_micro_batch
@@ -145,7 +250,12 @@ def main() -> None:
     parser.add_argument("--dp", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-torchrun", action="store_true", help="skip the torchrun phase")
+    parser.add_argument("--dist-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.dist_worker:
+        dist_worker(args)
+        return
     torch.set_num_threads(1)
 
     num = args.prompts * args.group_size
@@ -225,6 +335,20 @@ def main() -> None:
         "dp": args.dp,
         "repeats": args.repeats,
     }
+    if not args.no_torchrun:
+        ranks = run_torchrun_phase(args)
+        result["torchrun_s_per_million_tokens"] = round(
+            max(r["total"] for r in ranks) / real * 1e6, 3
+        )
+        result["torchrun_distribute_s_per_million_tokens"] = round(
+            max(r["distribute_alone"] for r in ranks) / real * 1e6, 3
+        )
+        result["torchrun_pickled_scatter_s_per_million_tokens"] = round(
+            max(r["pickled_scatter"] for r in ranks) / real * 1e6, 3
+        )
+        result["torchrun_ranks"] = [
+            {k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()} for r in ranks
+        ]
     print(
         f"{num} samples, {real:,} tokens (scale 1/{args.scale}); padding waste: token budget "
         f"{waste:.4f} ({len(budget_groups)} micro-batches of <= {budget} tokens, goal <= 0.05), "
@@ -232,6 +356,15 @@ def main() -> None:
         f" largest {fixed_max} tokens); responses -> micro-batches "
         f"{result['responses_to_micro_batches_s_per_million_tokens']:.2f} s per million tokens"
     )
+    if "torchrun_s_per_million_tokens" in result:
+        print(
+            f"2-process torchrun, HTTP responses -> micro-batches on every rank: "
+            f"{result['torchrun_s_per_million_tokens']:.2f} s per million tokens (slowest "
+            f"rank); the distribution alone "
+            f"{result['torchrun_distribute_s_per_million_tokens']:.2f} s per million tokens, "
+            f"the pickled scatter_object_list it replaced "
+            f"{result['torchrun_pickled_scatter_s_per_million_tokens']:.2f}"
+        )
     print(json.dumps(result))
 
 

@@ -17,6 +17,7 @@ round-trips them bitwise).
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import numpy as np
@@ -66,6 +67,12 @@ def _code(dtype: np.dtype) -> int:
         if np.dtype(known) == dtype:
             return code
     raise ValueError(f"dtype {dtype} cannot travel in a batch buffer (known: {_DTYPES})")
+
+
+def _flat(lists: list[list], dtype) -> np.ndarray:
+    """The concatenation of Python lists as one array, iterated in C."""
+    total = sum(len(x) for x in lists)
+    return np.fromiter(itertools.chain.from_iterable(lists), dtype=dtype, count=total)
 
 
 def encode_share(
@@ -123,9 +130,9 @@ def encode_share(
     )  # fmt: skip
     segments = [
         table,
-        np.array([t for ids in tokens for t in ids], dtype=np.int64),
-        np.array([v for vs in versions for v in vs], dtype=np.int64),
-        np.array([x for xs in log_probs for x in xs], dtype=np.float64),
+        _flat(tokens, np.int64),
+        _flat(versions, np.int64),
+        _flat(log_probs, np.float64),
         np.array(rewards, dtype=np.float64),
         adv,
         np.concatenate(routes) if routes else np.zeros(0, np.uint8),
@@ -178,9 +185,9 @@ def decode_share(buffer: torch.Tensor) -> tuple[list[Sample], torch.Tensor, int 
         if f["route_rows"] >= 0:
             dtype = np.dtype(_DTYPES[f["route_dtype"]])
             shape = (f["route_rows"], f["route_layers"], f["route_topk"])
-            size = int(np.prod(shape)) * dtype.itemsize
-            routed = np.frombuffer(routes[r_pos : r_pos + size], dtype=dtype).reshape(shape).copy()
-            r_pos += size
+            count = shape[0] * shape[1] * shape[2]
+            routed = np.frombuffer(routes, dtype, count, r_pos).reshape(shape).copy()
+            r_pos += count * dtype.itemsize
         samples.append(
             Sample(
                 index=f["index"],
