@@ -181,6 +181,11 @@ class TrainConfig:
         lr: Adam learning rate (constant).
         adam_beta1, adam_beta2, weight_decay, clip_grad: Adam and gradient-norm clipping.
         use_r3: replay the rollout engine's experts in the trainer (R3).
+        routing_diagnostic_interval: run the live-routing diagnostic forward (one extra
+            no-grad forward of the batch: ``train/topk_match_live``,
+            ``train/mismatch_abs_logratio_live``) every this many steps (step % k == 0);
+            0 = never. On other steps those metrics are absent from the log (not zero).
+            Default 1: every step, as the main job's summary and plots expect.
         eval_every: held-out evaluation every this many steps (and at 0 and the end).
         save_every: run checkpoint (model, optimizer, RNG, data position, weight version)
             every this many steps, and always after the last one; 0 = only after the last.
@@ -217,6 +222,7 @@ class TrainConfig:
     weight_decay: float = 0.0
     clip_grad: float = 1.0
     use_r3: bool = True
+    routing_diagnostic_interval: int = 1
     eval_every: int = 10
     save_every: int = 0
     resume: bool = False
@@ -251,6 +257,11 @@ class TrainConfig:
             _positive("train", self, "max_tokens_per_micro_batch")
         if self.save_every < 0:
             raise ValueError(f"train.save_every must be >= 0, got {self.save_every}")
+        if self.routing_diagnostic_interval < 0:
+            raise ValueError(
+                "train.routing_diagnostic_interval must be >= 0 (0 = off), got "
+                f"{self.routing_diagnostic_interval}"
+            )
 
 
 @dataclass

@@ -30,9 +30,11 @@ import functools
 import json
 import os
 import random
+import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -66,6 +68,12 @@ from megatron_sat.training.batch_transfer import distribute_batch
 from megatron_sat.training.evaluate import evaluate
 from megatron_sat.training.run_logger import RunLogger
 from megatron_sat.training.trainer import PolicyTrainer
+from megatron_sat.weight_sync.broadcast import UpdateStats, WeightSyncError, WeightUpdater
+from megatron_sat.weight_sync.megatron_push import (
+    connect_in_stage_order,
+    is_stage_sender,
+    push_megatron_weights,
+)
 
 
 def server_keys(cfg: RunConfig) -> ServerKeys | None:
@@ -217,12 +225,15 @@ def distributed_rl_step(
     advantages: torch.Tensor | None,
     cfg: RunConfig,
     trainer_version: int | None,
+    *,
+    routing_diagnostic: bool = True,
 ) -> dict[str, float]:
     """One train step on every rank: rank 0 passes the whole batch and sends each rank the
     share of its data-parallel rank (``dp_shares``; TP ranks of one DP rank get the same
     share) as flat CPU tensors over gloo (``training.batch_transfer``: no pickle, nothing
     staged on a GPU); the other ranks pass None and receive theirs. Returns the global metrics of
-    ``PolicyTrainer.rl_step`` (on every rank).
+    ``PolicyTrainer.rl_step`` (on every rank); ``routing_diagnostic`` (the same on every
+    rank: ``routing_diagnostic_due``) runs its live-routing diagnostic forward.
 
     Raises:
         ValueError: a non-zero rank passed samples, or rank 0 passed none.
@@ -245,7 +256,13 @@ def distributed_rl_step(
             samples, advantages, trainer_version, slices, parallel_state.get_data_parallel_rank()
         )
     share_samples, share_advantages, version = share
-    return trainer.rl_step(share_samples, share_advantages, cfg.objective, trainer_version=version)
+    return trainer.rl_step(
+        share_samples,
+        share_advantages,
+        cfg.objective,
+        trainer_version=version,
+        routing_diagnostic=routing_diagnostic,
+    )
 
 
 class _Followers:
@@ -269,11 +286,11 @@ class _Followers:
         self.busy = False
         self._export: Iterator | None = None
 
-    def tell(self, command: str, arg: int | None = None) -> None:
+    def tell(self, command: str, arg: object = None) -> None:
         if self.active:
             dist.broadcast_object_list([command, arg], src=0)
         self.done |= command == "done"
-        self.busy = command in ("step", "export", "save")
+        self.busy = command in ("step", "export", "save", "stage_connect", "stage_push")
 
     def idle(self) -> None:
         """Rank 0 finished its part of the last collective action."""
@@ -306,21 +323,227 @@ class _Followers:
         Raises:
             RuntimeError: when rank 0 aborts.
         """
+        stage = _StageSender(trainer)  # PP > 1: this rank's part of every stage push
         while True:
             message: list = [None, None]
             dist.broadcast_object_list(message, src=0)
             command, arg = message
-            if command == "step":
-                distributed_rl_step(trainer, None, None, cfg, None)
+            if command == "step":  # arg: the step, for the diagnostic's interval
+                interval = cfg.train.routing_diagnostic_interval
+                distributed_rl_step(
+                    trainer,
+                    None,
+                    None,
+                    cfg,
+                    None,
+                    routing_diagnostic=routing_diagnostic_due(interval, arg),
+                )
             elif command == "export":
                 for _ in trainer.hf_tensors():
                     pass
             elif command == "save":
                 save_if_due(cfg, trainer, arg, version=None, initial=None)
+            elif command in _StageSender.COMMANDS:
+                stage.handle(command, arg)
             elif command == "done":
+                stage.close()
                 return
             else:
+                stage.close()
                 raise RuntimeError(f"rank 0 ended the run ({command}); see its log")
+
+
+def uses_stage_senders(cfg: RunConfig) -> bool:
+    """Whether the run's weight push has one sender per pipeline stage
+    (``weight_sync.megatron_push``, as slime): at PP > 1 with SGLang servers (embedded or by
+    URL) each stage's sender rank (``is_stage_sender``) sends its own layers over its own
+    group, so no rank gathers the other stages' layers. vLLM's updater has no per-stage
+    protocol here: a vLLM run at PP > 1 pushes rank 0's gathered export, as at PP = 1."""
+    return cfg.parallel.pipeline_model_parallel_size > 1 and cfg.rollout.engine == "sglang"
+
+
+class _StageExport:
+    """What the fleet hands ``_StageZeroUpdater.update`` as its tensors: nothing to read,
+    every stage exports its own layers inside ``push_megatron_weights``."""
+
+
+_STAGE_EXPORT = _StageExport()
+
+
+class _StageZeroUpdater(WeightUpdater):
+    """Global rank 0's updater (stage 0's sender) as the fleet's ``updater_cls`` when
+    ``uses_stage_senders``. The fleet keeps its part (health probes, restarts, regrouping), and
+    each of its calls becomes the collective of every trainer rank (``_Followers``):
+
+    - ``connect``: the followers get the members (URL, client timeout and keys: pickled in
+      memory, never logged) and this updater's options; each later stage's sender builds its
+      own ``WeightUpdater`` (its own group name; its own address as the servers see it) and
+      the senders connect one stage after another (``connect_in_stage_order``). The fleet
+      regroups after every change of membership (a server restarted or dropped), so the
+      stage senders reconnect to the new server set then.
+    - ``update``: ``push_megatron_weights`` on every rank: this rank pauses the servers,
+      begins, sends stage 0's layers, ends and continues; each later stage's sender sends its
+      own layers in stage order. Returns this rank's (stage 0's) ``UpdateStats``.
+    - ``close``: every stage sender closes its group (skipped when the followers are done --
+      they closed theirs -- or inside a collective: the run is then ending).
+    """
+
+    def __init__(self, followers: _Followers, trainer: PolicyTrainer, clients, **options) -> None:
+        super().__init__(clients, **options)
+        self.followers, self.trainer = followers, trainer
+
+    def connect(self) -> None:
+        """Connect every stage sender (see the class docstring).
+
+        Raises:
+            WeightSyncError: naming every rank that failed to connect (on any rank).
+        """
+        self.followers.tell(
+            "stage_connect",
+            {
+                "servers": [(c.base_url, c.timeout_s, c.keys) for c in self.clients],
+                "ranks_per_server": self.ranks_per_server,
+                "host": socket.gethostname(),
+                "master_address": self.master_address,
+                "options": {
+                    "backend": self.backend,
+                    "bucket_bytes": self.bucket_bytes,
+                    "pause_mode": self.pause_mode,
+                    "timeout_s": self.timeout_s,
+                    "flatten_buckets": self.flatten_buckets,
+                    "unpacked_from_bytes": self.unpacked_from_bytes,
+                },
+            },
+        )
+        try:
+            failures = _connect_stage_senders(lambda: WeightUpdater.connect(self))
+        finally:
+            self.followers.idle()  # _connect_stage_senders ends in a collective on every rank
+        if failures:
+            raise WeightSyncError("stage senders failed to connect:\n" + "\n".join(failures))
+
+    def update(self, named_tensors, weight_version: str) -> UpdateStats:
+        """One push from every stage (``push_megatron_weights``); ``named_tensors`` must be
+        ``_STAGE_EXPORT``.
+
+        Raises:
+            TypeError: for any other ``named_tensors`` (a caller passing real tensors).
+            WeightSyncError: as ``push_megatron_weights``.
+        """
+        if named_tensors is not _STAGE_EXPORT:
+            raise TypeError(
+                "at PP > 1 each stage exports its own layers: pass the fleet _STAGE_EXPORT, "
+                f"got {type(named_tensors).__name__}"
+            )
+        self.followers.tell("stage_push", weight_version)
+        try:
+            model, hf_config = self.trainer.model, self.trainer.hf_config
+            return push_megatron_weights(model, hf_config, self, weight_version)
+        finally:
+            # It ends in an all-gather of every rank's error, failed or not.
+            self.followers.idle()
+
+    def close(self) -> None:
+        if self.followers.active and self.followers.can_abort():
+            self.followers.tell("stage_close")
+        super().close()
+
+
+class _StageSender:
+    """A follower's part of ``_StageZeroUpdater``'s collectives, and its own updater when it
+    is a later stage's sender (``is_stage_sender``; None on the other followers)."""
+
+    COMMANDS = ("stage_connect", "stage_push", "stage_close")
+
+    def __init__(self, trainer: PolicyTrainer) -> None:
+        self.trainer = trainer
+        self.updater: WeightUpdater | None = None
+
+    def handle(self, command: str, arg) -> None:
+        if command == "stage_connect":
+            self.close()  # the fleet regroups: a new server set, new groups
+            connect = None
+            if is_stage_sender():
+                try:
+                    address = stage_master_address(arg["host"], arg["master_address"])
+                    clients = [SGLangClient(u, t, keys=k) for u, t, k in arg["servers"]]
+                    self.updater = WeightUpdater(
+                        clients,
+                        master_address=address,
+                        ranks_per_server=arg["ranks_per_server"],
+                        **arg["options"],
+                    )
+                    connect = self.updater.connect
+                except Exception as e:  # reported by rank 0, after the same collectives
+                    connect = functools.partial(_reraise, e)
+            _connect_stage_senders(connect)
+        elif command == "stage_push":
+            try:
+                model, hf_config = self.trainer.model, self.trainer.hf_config
+                push_megatron_weights(model, hf_config, self.updater, arg)
+            except Exception as e:  # every rank raised; rank 0 retries or ends the run
+                print(f"megatron-sat: rank {dist.get_rank()}: push {arg!r} failed: {e}")
+        else:
+            self.close()
+
+    def close(self) -> None:
+        updater, self.updater = self.updater, None
+        if updater is None:
+            return
+        try:
+            updater.close()
+        except WeightSyncError as e:  # a dead server cannot destroy its side; ours is released
+            print(f"megatron-sat: rank {dist.get_rank()}: closing its weight group: {e}")
+        for client in updater.clients:
+            client.close()
+
+
+def _reraise(error: Exception) -> None:
+    raise error
+
+
+def _connect_stage_senders(connect: Callable[[], None] | None) -> list[str]:
+    """``connect()`` on this rank (None: not a stage sender) in stage order
+    (``connect_in_stage_order``), a failure caught so that every rank reaches the same
+    collectives. A collective on the world group; returns every failed rank's message
+    ("rank r: ..."), the same list on every rank."""
+    failure = None
+
+    def guarded() -> None:
+        nonlocal failure
+        try:
+            connect()
+        except Exception as e:
+            failure = f"{type(e).__name__}: {e}"
+
+    connect_in_stage_order(None if connect is None else SimpleNamespace(connect=guarded))
+    failures: list = [None] * dist.get_world_size()
+    dist.all_gather_object(failures, failure)
+    return [f"rank {r}: {m}" for r, m in enumerate(failures) if m is not None]
+
+
+def stage_master_address(rank0_host: str, rank0_address: str) -> str:
+    """This rank's address as the rollout servers see it, for its stage's group (whose
+    TCPStore it hosts): rank 0's ``master_address`` on rank 0's host (``socket.gethostname``
+    equal); on another node the address of the interface that routes to rank 0's address
+    (a UDP ``connect`` sends nothing, it only picks the route).
+
+    Raises:
+        ValueError: on another node when that address is a loopback one (rank 0's address
+            then does not reach across nodes: set ``MASTER_ADDR``).
+    """
+    if socket.gethostname() == rank0_host:
+        return rank0_address
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((rank0_address, 1))
+        address = probe.getsockname()[0]
+    if address.startswith("127."):
+        raise ValueError(
+            f"rank {dist.get_rank()} is on host {socket.gethostname()!r}, rank 0 on "
+            f"{rank0_host!r}, but rank 0's weight-sync address {rank0_address!r} is loopback: "
+            "set MASTER_ADDR to an address the other nodes reach"
+        )
+    return address
 
 
 def check_prompt_lengths(
@@ -487,9 +710,13 @@ def _lead(
         )
         pools: list[RolloutPool | AsyncRolloutPool] = [pool]
         version = 0 if state is None else state.weight_version
+        tensors = followers.hf_tensors  # rank 0 sends the gathered export
+        if uses_stage_senders(cfg):  # each pipeline stage sends its own layers
+            fleet.updater_cls = functools.partial(_StageZeroUpdater, followers, trainer)
+            tensors = lambda: _STAGE_EXPORT  # noqa: E731
         # Start from identical weights on both sides, tagged with the trainer's version.
         try:  # through sync_servers like every push: a server restarted here reaches the pool
-            sync_servers(fleet, pools, followers.hf_tensors, version)
+            sync_servers(fleet, pools, tensors, version)
         finally:
             followers.finish_export()
         base_version = version  # the async pool counts batches from here
@@ -540,7 +767,7 @@ def _lead(
             """The trainer's weights as ``version`` to every server, dead ones replaced."""
             nonlocal restart_s
             try:
-                report = sync_servers(fleet, pools, followers.hf_tensors, version)
+                report = sync_servers(fleet, pools, tensors, version)
             finally:
                 followers.finish_export()
             restart_s += report.restart_s
@@ -624,8 +851,11 @@ def _lead(
             rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
             advantages = compute_grpo_advantages(rewards, ro.group_size)
             metrics = batch_metrics(samples, version)
-            followers.tell("step")
-            train = distributed_rl_step(trainer, samples, advantages, cfg, version)
+            followers.tell("step", step)
+            diagnostic = routing_diagnostic_due(cfg.train.routing_diagnostic_interval, step)
+            train = distributed_rl_step(
+                trainer, samples, advantages, cfg, version, routing_diagnostic=diagnostic
+            )
             followers.idle()
             metrics.update({f"train/{k}": v for k, v in train.items()})
             version += 1
@@ -715,6 +945,19 @@ def sync_options(cfg: RunConfig, num_servers: int) -> dict:
         options.update(backend="gloo", ranks_per_server=[1] * num_servers)
     options["pause_mode"] = "abort" if cfg.rollout.mode == "bounded" else "retract"
     return options
+
+
+def routing_diagnostic_due(interval: int, step: int) -> bool:
+    """Whether optimizer step ``step`` (1-based) runs the live-routing diagnostic forward at
+    ``train.routing_diagnostic_interval`` = ``interval`` (every ``interval`` steps, as
+    ``train.save_every`` counts; 0 = never).
+
+    Raises:
+        ValueError: ``interval`` < 0 or ``step`` < 1.
+    """
+    if interval < 0 or step < 1:
+        raise ValueError(f"routing_diagnostic_due: interval={interval} < 0 or step={step} < 1")
+    return interval > 0 and step % interval == 0
 
 
 def due(cfg: RunConfig, step: int) -> bool:

@@ -473,6 +473,7 @@ class PolicyTrainer:
         objective: ObjectiveConfig,
         *,
         trainer_version: int | None = None,
+        routing_diagnostic: bool = True,
     ) -> dict[str, float]:
         """One optimizer step of the policy objective on this rank's share of the batch.
 
@@ -499,7 +500,9 @@ class PolicyTrainer:
           no-grad forward of the current weights before the update. The old log-probs are also
           computed for TIS / IcePop.
         - With ``train.use_r3`` every forward that trains or sets q replays the rollout engine's
-          experts; one more no-grad forward with live routing gives the live diagnostics.
+          experts; one more no-grad forward with live routing gives the live diagnostics
+          when ``routing_diagnostic`` (``train.routing_diagnostic_interval``). Without R3
+          that forward is also the trained routing's (old log-probs, SAT's q) and runs anyway.
         - With ``objective.kl_coef > 0`` a no-grad forward of the frozen reference policy (with
           R3, the routes the trained forward replays) gives ``ref_log_probs`` for the k3 KL
           term. With
@@ -517,6 +520,9 @@ class PolicyTrainer:
                 weight version that a sync after this step would *not* yet carry). When given,
                 metrics per version-age bucket are added (``rollout.types.staleness``), and a
                 "recomputed_old" denominator is refused for samples older than 0 versions.
+            routing_diagnostic: run the live-routing diagnostic forward and report its
+                metrics (``*_live``); False skips that forward and leaves them out (absent,
+                not zero). The same on every rank (the forward is a collective).
 
         Returns:
             Global metrics (identical on every rank; see ``MetricAccumulator``): the
@@ -572,17 +578,24 @@ class PolicyTrainer:
             if oldest > 0:
                 warnings.warn(INERT_CLIP_WARNING, stacklevel=2)
 
-        live = self._no_grad_log_probs(forwards, replay=False)[: len(mbs)]
         needs_old = (
             recomputed or objective.tis_cap is not None or objective.icepop_range is not None
         )
         # Identical on every rank of an expert group (which runs the same forwards): a DP
         # size > 1 makes it True everywhere, a DP size of 1 means one set of micro-batches.
         global_q = objective.name in SAT_STALENESS and (group_size(group) > 1 or len(mbs) > 1)
+        # The live forward costs one forward of the batch: it runs on diagnostic steps, and
+        # without R3 whenever the trained routing's log-probs are needed (it is that routing).
+        skipped = [(None, None)] * len(mbs)  # no log-probs: the loop below logs nothing
+        live = skipped
+        if routing_diagnostic or (not use_r3 and (needs_old or global_q)):
+            live = self._no_grad_log_probs(forwards, replay=False)[: len(mbs)]
         trained_routing = live
         if use_r3 and (needs_old or global_q):
             trained_routing = self._no_grad_log_probs(forwards, replay=True)[: len(mbs)]
         old = [lp if needs_old else None for lp, _ in trained_routing]
+        if not routing_diagnostic:
+            live = skipped  # the *_live metrics stay absent, also when the forward ran
         ref = [None] * len(mbs)
         if objective.kl_coef > 0:
             ref = [
