@@ -111,8 +111,8 @@ def test_per_request_and_per_server_give_the_same_samples(served, tiny_checkpoin
 
 def test_reward_workers_score_concurrently_with_timeouts():
     """In worker processes math-verify's timeouts work: the adversarial answer that ran for
-    minutes without them (rollout.rewards) scores 0.0 within its timeout."""
-    with RewardWorkers(num_workers=2, timeout_s=1) as workers:
+    minutes without them (rollout.rewards) scores 0.0 within its timeout (2 s)."""
+    with RewardWorkers(num_workers=2, timeout_s=2) as workers:
         start = time.monotonic()
         futures = [
             workers.submit("so \\boxed{10^{10^{10^{10}}}}", "82"),

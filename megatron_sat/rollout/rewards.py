@@ -200,9 +200,9 @@ class RewardWorkers:
 
 
 def _end_with_parent(parent_pid: int, poll_s: float = 1.0) -> None:
-    """Worker initializer: exit once the parent is gone. PR_SET_PDEATHSIG alone did not do
-    it here (it follows the parent *thread*, and one of two workers outlived a SIGKILLed
-    parent), so a daemon thread also polls the parent pid."""
+    """Worker initializer: exit once the parent is gone (PR_SET_PDEATHSIG alone did not do it
+    here: it follows the parent *thread*, and one of two workers outlived a SIGKILLed parent,
+    so a daemon thread polls the parent pid), and warm math-verify up."""
 
     def watch() -> None:
         while os.getppid() == parent_pid:
@@ -210,6 +210,10 @@ def _end_with_parent(parent_pid: int, poll_s: float = 1.0) -> None:
         os._exit(0)
 
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+    # math-verify imports its grammars on first use, inside the first call's timeout: on a
+    # loaded machine parsing the label "82" then timed out (seen at 1 s) and raised. Warm up
+    # here, without timeouts, so the timeouts bound only the comparisons.
+    math_reward("\\boxed{1}", "1")
 
 
 def _timed_reward(response: str, label: str, timeout_s: int) -> float:
