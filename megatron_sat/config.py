@@ -77,6 +77,11 @@ class RolloutConfig:
         temperature, top_p, top_k: sampling (SGLang's semantics; top_k=-1 is off).
         update_weights_interval: synchronous mode: weights are pushed to the servers every n
             trainer steps, so samples are up to n - 1 versions old.
+        weight_sync_backend: backend of the weight-push group (SGLang's
+            ``init_weights_update_group`` ``backend``): null = the platform's choice
+            (``platform.weight_sync_backend``: "nccl" when the trainer and the servers are on
+            CUDA, "gloo" otherwise, so always "gloo" towards the embedded CPU servers); "gloo"
+            or "nccl" to force one ("nccl" towards a CPU end is refused).
         mode: ``sync`` (generate, then train, one batch at a time), or asynchronous with the
             servers generating while the trainer steps (``megatron_sat.rollout.async_pool``):
             ``fixed_lag`` (every sample exactly ``lag`` versions old after warm-up, the SAT
@@ -106,6 +111,7 @@ class RolloutConfig:
     top_p: float = 1.0
     top_k: int = -1
     update_weights_interval: int = 1
+    weight_sync_backend: str | None = None
     mode: str = "sync"
     lag: int = 1
     on_update: str = "resume"
@@ -159,6 +165,16 @@ class RolloutConfig:
             raise ValueError(f"rollout.dtype must be float32 or bfloat16, got {self.dtype!r}")
         if self.top_k != -1 and self.top_k < 1:
             raise ValueError(f"rollout.top_k must be -1 (off) or >= 1, got {self.top_k}")
+        if self.weight_sync_backend not in (None, "gloo", "nccl"):
+            raise ValueError(
+                "rollout.weight_sync_backend must be 'gloo', 'nccl' or null (the platform's "
+                f"choice), got {self.weight_sync_backend!r}"
+            )
+        if self.weight_sync_backend == "nccl" and not self.server_urls:
+            raise ValueError(
+                "rollout.weight_sync_backend=nccl, but the embedded servers (no "
+                "rollout.server_urls) run on the CPU, which NCCL cannot reach: use gloo or null"
+            )
 
     @property
     def max_replacement_groups(self) -> int:

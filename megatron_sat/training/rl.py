@@ -51,6 +51,7 @@ from megatron_sat.checkpoint.run_state import (
 from megatron_sat.config import RunConfig
 from megatron_sat.launch.sync import weight_sync_options
 from megatron_sat.objectives import compute_grpo_advantages
+from megatron_sat.platform.device import get_device, weight_sync_backend
 from megatron_sat.rollout.async_pool import AsyncPoolConfig, AsyncRolloutPool
 from megatron_sat.rollout.auth import ServerKeys, load_server_keys
 from megatron_sat.rollout.client import RoutingSpec, SamplingParams, SGLangClient
@@ -726,13 +727,20 @@ def _lead(
 
 def sync_options(cfg: RunConfig, num_servers: int) -> dict:
     """WeightUpdater options: SGLang servers given by URL join with their TP ranks over the
-    launch's backend (NCCL on GPUs); embedded CPU servers are one gloo rank each. Bounded
+    backend the platform decides (``platform.weight_sync_backend``: NCCL when the trainer and
+    the servers, ``launch.device``, are on CUDA; ``rollout.weight_sync_backend`` overrides
+    it); embedded servers run on the CPU, one gloo rank each. Bounded
     mode pauses with "abort", so requests in flight at a push come back partial and the pool
     resumes or restarts them (``rollout.on_update``); in the other modes nothing is in flight
     at a push and "retract" lets a stray request finish."""
     options = weight_sync_options(cfg.launch, num_servers, os.environ)
+    server_device = cfg.launch.device  # servers given by URL run where the launch put them
     if not cfg.rollout.server_urls:
-        options.update(backend="gloo", ranks_per_server=[1] * num_servers)
+        options.update(ranks_per_server=[1] * num_servers)
+        server_device = "cpu"  # the embedded engine has no CUDA path
+    options["backend"] = weight_sync_backend(
+        get_device().type, server_device, cfg.rollout.weight_sync_backend
+    )
     options["pause_mode"] = "abort" if cfg.rollout.mode == "bounded" else "retract"
     return options
 
