@@ -273,11 +273,17 @@ def rl_run(tmp_path_factory, tiny_checkpoint) -> Path:
         "objective.entropy_coef=0.01",  # a gradient at every step whatever the rewards
         "parallel.pipeline_model_parallel_size=2",
     ]
+    # The same run again with its server killed before the push after step 2 (the fleet
+    # restarts it; every stage sender joins the new server's groups).
+    restart = [o for o in overrides if not o.startswith("run_dir=")] + [
+        f"run_dir={tmp / 'pp2_restart'}"
+    ]
     run_torchrun(
         "tests/dist/rl_parallel.py",
         "pp2=" + ";".join(overrides),
+        "pp2_restart=" + ";".join(restart),
         done="RL_PARALLEL_DONE",
-        timeout=900,
+        timeout=1200,
     )
     return tmp / "pp2"
 
@@ -302,3 +308,54 @@ def test_rl_loop_at_pp2_pushes_every_stage(rl_run):
     )
     summary = json.loads((rl_run / "summary.json").read_text())
     assert summary["num_steps"] == 3 and (rl_run / "checkpoint" / "config.json").exists()
+
+
+@pytest.mark.slow
+def test_rl_loop_at_pp2_each_stage_sends_its_own_layers(rl_run):
+    """The RL loop at PP2 pushes with one sender per stage (``rl.uses_stage_senders``): rank 0
+    exports (and sends) stage 0's layers only and never gathers stage 1's; rank 1 exports
+    stage 1's; together they are exactly the saved checkpoint's tensors, at every push (the
+    initial one and one after each of the 3 steps). The parity test above shows they arrived."""
+    import json
+
+    from safetensors import safe_open
+
+    got = [json.loads((rl_run / f"exports_rank{r}.json").read_text()) for r in (0, 1)]
+    assert [g["gathered"] for g in got] == [0, 0]  # no gathered export on either rank
+    assert [len(g["stage"]) for g in got] == [4, 4]
+    stage0, stage1 = (set(g["stage"][0]) for g in got)
+    for g, names in zip(got, (stage0, stage1), strict=True):
+        assert all(set(push) == names for push in g["stage"])
+    saved = set()
+    for path in (rl_run / "checkpoint").glob("*.safetensors"):
+        with safe_open(path, "pt") as f:
+            saved |= set(f.keys())
+    assert not stage0 & stage1 and stage0 | stage1 == saved
+    # The tiny model has 2 layers (one per stage), untied embeddings.
+    assert "model.embed_tokens.weight" in stage0 and "lm_head.weight" in stage1
+    assert "model.norm.weight" in stage1
+    assert {n.split(".")[2] for n in stage0 if n.startswith("model.layers.")} == {"0"}
+    assert {n.split(".")[2] for n in stage1 if n.startswith("model.layers.")} == {"1"}
+    print(f"\nPP2 push: rank 0 exported {len(stage0)} tensors, rank 1 {len(stage1)}")
+
+
+@pytest.mark.slow
+def test_rl_loop_at_pp2_stage_senders_rejoin_a_restarted_server(rl_run):
+    """The server is killed before the push after step 2: the fleet restarts it and regroups,
+    and every stage sender connects to the new server (its own group) and sends its layers.
+    The new server loaded the initial checkpoint, so a stage that did not send would leave
+    step 3's rollouts on step-0 weights for its layers: a mismatch far above 1e-4 (lr 0.01)."""
+    import json
+
+    run = rl_run.parent / "pp2_restart"
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert [r["rollout/server_restarts"] for r in rows[1:]] == [0.0, 1.0, 1.0]
+    assert rows[-1]["rollout/dead_servers"] == 0.0
+    for row in rows[1:]:
+        assert row["train/mismatch_abs_logratio"] < 1e-4, row
+    got = [json.loads((run / f"exports_rank{r}.json").read_text()) for r in (0, 1)]
+    assert [g["gathered"] for g in got] == [0, 0]
+    assert [len(g["stage"]) for g in got] == [4, 4]  # one export per push, none retried
+    mismatch = [r["train/mismatch_abs_logratio"] for r in rows[1:]]
+    print(f"\nPP2 restart: mismatch per step {mismatch}")
