@@ -10,16 +10,24 @@ bf16 and fp32 from the same tiny checkpoint, and prints one line per part:
 3. ``push``: a weight push to that server (``WeightUpdater``) and its time; the server's
    weight version afterwards.
 
-Each part whose package is missing (megatron-core, transformers) or whose device is missing
-prints ``SKIP: <part>: <why>``; without CUDA every part is skipped (what the CPU suite can
-run). Exit status 0 when every part that ran passed. Not yet run on a GPU (no device was lent
-to the session that wrote it); tests/gpu/check_gpu.py keeps the TE-vs-local checks.
+On a CUDA machine the packages the image lacks are first installed offline from the wheelhouse
+that ``tools/gpu_wheelhouse.sh`` builds (``$MEGATRON_SAT_WHEELHOUSE``, default ``wheelhouse/``,
+carried to the device: ``pip install --no-index --find-links``); the device image known so far
+has CUDA torch 2.11 but no megatron-core. Each part whose package is still missing or whose
+device is missing prints ``SKIP: <part>: <why>``; without CUDA every part is skipped and
+nothing is installed (what the CPU suite can run). Exit status 0 when every part that ran
+passed. Not yet run on a GPU (no device was lent to the sessions that wrote it);
+tests/gpu/check_gpu.py keeps the TE-vs-local checks. On the device:
+``run(command="python tests/gpu/check_policy_trainer.py", carry=["wheelhouse"])``.
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
+import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -30,24 +38,90 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests" / "dist"))
 
 PARTS = ("logprobs", "steps", "push")
+# module -> the distribution that provides it (tools/gpu_wheelhouse.txt pins it and its deps)
+DISTRIBUTIONS = {
+    "numpy": "numpy",
+    "yaml": "pyyaml",
+    "safetensors": "safetensors",
+    "tokenizers": "tokenizers",
+    "transformers": "transformers",
+    "megatron.core": "megatron-core",
+    "httpx": "httpx",
+    "fastapi": "fastapi",
+    "uvicorn": "uvicorn",
+}
+# what each part imports beyond torch: the trainer for all three, the embedded server (fastapi,
+# uvicorn) and its client (httpx) and the tokenizer for the steps and the push
+_TRAINER = ("numpy", "yaml", "safetensors", "transformers", "megatron.core")
+PART_MODULES = {
+    "logprobs": _TRAINER,
+    "steps": (*_TRAINER, "tokenizers", "httpx", "fastapi", "uvicorn"),
+    "push": (*_TRAINER, "tokenizers", "httpx", "fastapi", "uvicorn"),
+}
 
 
-def missing_packages() -> list[str]:
-    return [m for m in ("megatron.core", "transformers") if importlib.util.find_spec(m) is None]
+def have(module: str) -> bool:
+    """Whether ``module`` can be imported (find_spec of ``a.b`` raises when ``a`` is absent)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def missing_modules(part: str) -> list[str]:
+    return [m for m in PART_MODULES[part] if not have(m)]
+
+
+def install_command(distributions: list[str], wheelhouse: Path) -> list[str]:
+    """pip's offline install of ``distributions`` and their dependencies from ``wheelhouse``
+    (``--ignore-requires-python``: megatron-core 0.19 declares Python >= 3.12 and runs on 3.11).
+    """
+    return [
+        sys.executable,
+        "-m",
+        "pip",
+        "install",
+        "--no-index",
+        "--find-links",
+        str(wheelhouse),
+        "--ignore-requires-python",
+        *distributions,
+    ]
+
+
+def install_missing(wheelhouse: Path) -> None:
+    """Install the distributions of the modules no part can import, from ``wheelhouse``; prints
+    one ``install:`` line (what, and pip's exit status) or why nothing was installed."""
+    missing = sorted({DISTRIBUTIONS[m] for part in PARTS for m in missing_modules(part)})
+    if not missing:
+        return
+    if not wheelhouse.is_dir():
+        print(f"install: no wheelhouse at {wheelhouse} (tools/gpu_wheelhouse.sh)", flush=True)
+        return
+    start = time.perf_counter()
+    proc = subprocess.run(install_command(missing, wheelhouse), capture_output=True, text=True)
+    tail = " ".join(proc.stdout.splitlines()[-1:] + proc.stderr.splitlines()[-2:])
+    print(
+        f"install: {' '.join(missing)} from {wheelhouse}: rc {proc.returncode} in "
+        f"{time.perf_counter() - start:.0f} s; {tail}",
+        flush=True,
+    )
+    importlib.invalidate_caches()
 
 
 def main() -> int:
     import torch
 
-    missing = missing_packages()
-    why = None
     if not torch.cuda.is_available():
-        why = "no CUDA device"
-    elif missing:
-        why = f"missing {', '.join(missing)}"
-    if why is not None:
         for part in PARTS:
-            print(f"SKIP: {part}: {why}", flush=True)
+            print(f"SKIP: {part}: no CUDA device", flush=True)
+        return 0
+    install_missing(Path(os.environ.get("MEGATRON_SAT_WHEELHOUSE", ROOT / "wheelhouse")))
+    skips = {part: missing_modules(part) for part in PARTS}
+    for part, missing in skips.items():
+        if missing:
+            print(f"SKIP: {part}: missing {', '.join(missing)}", flush=True)
+    if skips["logprobs"]:  # the trainer itself: no part can run
         return 0
 
     from r3_common import make_samples
@@ -97,6 +171,8 @@ def main() -> int:
         ok &= mean <= 0.015 and peak <= 0.05  # tolerances of tests/test_bf16_trainer.py
         print(f"logprobs: bf16 vs fp32 mean {mean:.4f} max {peak:.4f} nats", flush=True)
 
+        if skips["steps"]:  # printed above; the push needs the steps' server
+            return 0 if ok else 1
         from megatron_sat.rollout.client import RoutingSpec
         from megatron_sat.rollout.embedded.launch import EmbeddedServer
         from megatron_sat.rollout.pool import RolloutPool
