@@ -20,7 +20,8 @@ by the next save or resume; a run killed before its first commit resumes from sc
 folder state a crash leaves is either used (committed) or ignored, never fatal.
 
 A test hook (``set_commit_hook``) is called between the commit's steps with the phase name
-(``"written"``, ``"renamed"``, ``"committed"``) and the step; the launch layer installs one
+(``"writing"``: the distributed checkpoint written, the rest not yet, nothing fsynced;
+``"written"``, ``"renamed"``, ``"committed"``) and the step; the launch layer installs one
 for crash tests, nothing else does.
 
 Resuming restores weights, optimizer, RNG and returns the :class:`RunState`; the caller puts
@@ -53,7 +54,7 @@ from megatron_sat.checkpoint.sharding import unwrap
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
-COMMIT_PHASES = ("written", "renamed", "committed")
+COMMIT_PHASES = ("writing", "written", "renamed", "committed")
 
 logger = logging.getLogger(__name__)
 
@@ -276,6 +277,8 @@ def save_run_checkpoint(
     if error:
         raise FileExistsError(error)
     save_dist_checkpoint(_sharded_state(model, optimizer, is_loading=False), tmp / "dist")
+    if _rank() == 0:
+        _at("writing", step)  # a crash in the middle of the write
     torch.save(rng_state(), tmp / "rng" / f"rank_{_rank():05d}.pt")
     if _rank() == 0:
         state = RunState(
