@@ -52,7 +52,9 @@ DISTRIBUTIONS = {
 }
 # what each part imports beyond torch: the trainer for all three, the embedded server (fastapi,
 # uvicorn) and its client (httpx) and the tokenizer for the steps and the push
-_TRAINER = ("numpy", "yaml", "safetensors", "transformers", "megatron.core")
+# (triton: megatron-core imports it without declaring it; CUDA torch depends on it, so the image
+# has it and the wheelhouse does not carry it)
+_TRAINER = ("numpy", "yaml", "safetensors", "transformers", "megatron.core", "triton")
 PART_MODULES = {
     "logprobs": _TRAINER,
     "steps": (*_TRAINER, "tokenizers", "httpx", "fastapi", "uvicorn"),
@@ -92,7 +94,9 @@ def install_command(distributions: list[str], wheelhouse: Path) -> list[str]:
 def install_missing(wheelhouse: Path) -> None:
     """Install the distributions of the modules no part can import, from ``wheelhouse``; prints
     one ``install:`` line (what, and pip's exit status) or why nothing was installed."""
-    missing = sorted({DISTRIBUTIONS[m] for part in PARTS for m in missing_modules(part)})
+    missing = sorted(
+        {DISTRIBUTIONS[m] for part in PARTS for m in missing_modules(part) if m in DISTRIBUTIONS}
+    )
     if not missing:
         return
     if not wheelhouse.is_dir():
