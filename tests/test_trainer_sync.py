@@ -4,6 +4,7 @@ trainer's; an RL step on real rollouts moves the policy; the main loop end to en
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -141,6 +142,19 @@ def test_main_loop_end_to_end(tmp_path, tiny_checkpoint, megatron_world):
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     assert summary["acc_greedy"]["warm_start"] == rows[0]["eval/acc_greedy"]
+    # Killed after its last run checkpoint (step 3), before the HF export and the summary:
+    # the resume writes both, equal to the uninterrupted run's (timing aside).
+    weights = (run / "checkpoint" / "model.safetensors").read_bytes()
+    shutil.rmtree(run / "checkpoint")
+    (run / "summary.json").unlink()
+    finished = run_rl(resumed)
+    assert (run / "checkpoint" / "model.safetensors").read_bytes() == weights
+    assert {k: v for k, v in finished.items() if k != "wall_time_s"} == {
+        k: v for k, v in summary.items() if k != "wall_time_s"
+    }
+    assert json.loads((run / "summary.json").read_text()) == finished
+    rows_after = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert rows_after == rows
     with pytest.raises(ValueError, match="nothing to resume"):
         run_rl(resumed)
 

@@ -642,6 +642,9 @@ def run_rl(cfg: RunConfig) -> dict:
             print(f"megatron-sat: no committed run checkpoint in {cfg.run_dir}: from step 1")
     first_step = 1 if state is None else state.step + 1
     if first_step > cfg.train.num_steps:
+        if state.step == cfg.train.num_steps and not (Path(cfg.run_dir) / "summary.json").exists():
+            # Killed after its last run checkpoint, before the HF export and the summary.
+            return _finish_after_last_step(cfg, trainer, state)
         raise ValueError(
             f"run_dir {cfg.run_dir} already holds step {first_step - 1} >= train.num_steps="
             f"{cfg.train.num_steps}: nothing to resume (raise train.num_steps)"
@@ -658,6 +661,34 @@ def run_rl(cfg: RunConfig) -> dict:
         if followers.can_abort():
             followers.tell("abort")
         raise
+    return summary
+
+
+def _finish_after_last_step(cfg: RunConfig, trainer: PolicyTrainer, state) -> dict:
+    """The end of a run killed after its last run checkpoint (step ``train.num_steps``, whose
+    metrics line, final evaluation included, was logged before the checkpoint) but before its
+    HF export and ``summary.json``: write both from the restored weights, as the uninterrupted
+    run would have (collective: every rank calls it; rank 0 writes the summary).
+
+    Returns:
+        The summary on rank 0, ``{}`` on the other ranks.
+    """
+    run_dir = Path(cfg.run_dir)
+    checkpoint = trainer.save_hf(run_dir / "checkpoint", tokenizer_dir=cfg.init_checkpoint)
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return {}
+    print(f"megatron-sat: step {state.step} was the last: writing the HF checkpoint and summary")
+    with RunLogger(run_dir, state.step) as logger:  # drops a line cut short by the kill
+        rows = [json.loads(line) for line in logger.metrics_path.read_text().splitlines()]
+        last = [r for r in rows if r["step"] == state.step]
+        if not last:
+            raise RuntimeError(f"{logger.metrics_path} has no line of step {state.step}")
+        final = {k: v for k, v in last[-1].items() if k.startswith("eval/")}
+        summary = make_summary(
+            cfg, state.extra["initial_eval"], final, run_dir, checkpoint, seconds=0.0
+        )
+        logger.write_summary(summary)
+    print(json.dumps(summary, indent=2))
     return summary
 
 
