@@ -8,7 +8,11 @@ import torch
 from conftest import run_torchrun
 
 from megatron_sat.config import TrainConfig
-from megatron_sat.training.optimizer_layout import bytes_per_param, resolve_optimizer_layout
+from megatron_sat.training.optimizer_layout import (
+    OptimizerLayout,
+    bytes_per_param,
+    resolve_optimizer_layout,
+)
 
 # bf16 tolerances of the per-token log-probs (nats), the same checkpoint in fp32 and bf16.
 # Before the step the bf16 model holds the fp32 weights rounded to bf16 (unit roundoff 2^-9)
@@ -52,8 +56,10 @@ def test_bf16_parallel_layouts(tmp_path):
             assert set(fp32["dtypes"].values()) == {"torch.float32"}, where
             for mains in bf16["main"].values():
                 assert set(mains) == {"torch.float32"}, (where, bf16["main"])
-            # The distributed optimizer is on exactly when a DP size (dense or expert) is > 1.
-            assert bf16["distributed_optimizer"] == (bf16["dp"] > 1 or bf16["edp"] > 1), where
+            # The distributed optimizer: always in bf16 (also at DP 1, as tp2), in fp32 exactly
+            # when a DP size (dense or expert) is > 1.
+            assert bf16["distributed_optimizer"], where
+            assert fp32["distributed_optimizer"] == (fp32["dp"] > 1 or fp32["edp"] > 1), where
             assert bf16["metrics"]["topk_match_r3"] == 1.0, where
             assert fp32["metrics"]["topk_match_r3"] == 1.0, where
             for when, mean_tol, max_tol in (
@@ -78,17 +84,28 @@ def test_bf16_parallel_layouts(tmp_path):
 
 
 def test_optimizer_layout_defaults_and_refusals():
+    # bf16 (CUDA's default): the distributed optimizer also at DP 1 (megatron-core 0.19's
+    # replicated mixed-precision optimizer cannot checkpoint fp32 routers beside bf16 weights).
     cuda = resolve_optimizer_layout(TrainConfig(), device_type="cuda", dp=1, edp=1)
-    assert (cuda.params_dtype, cuda.use_distributed_optimizer) == ("bf16", False)
+    assert (cuda.params_dtype, cuda.use_distributed_optimizer) == ("bf16", True)
+    cpu = resolve_optimizer_layout(TrainConfig(), device_type="cpu", dp=1, edp=1)
+    assert (cpu.params_dtype, cpu.use_distributed_optimizer) == ("fp32", False)
     cpu = resolve_optimizer_layout(TrainConfig(), device_type="cpu", dp=1, edp=2)
     assert (cpu.params_dtype, cpu.use_distributed_optimizer) == ("fp32", True)
-    forced = TrainConfig(use_distributed_optimizer=False)
+    forced = TrainConfig(params_dtype="fp32", use_distributed_optimizer=False)
     assert not resolve_optimizer_layout(
         forced, device_type="cuda", dp=8, edp=1
     ).use_distributed_optimizer
+    with pytest.raises(ValueError, match="train.use_distributed_optimizer=false with bf16"):
+        resolve_optimizer_layout(
+            TrainConfig(use_distributed_optimizer=False), device_type="cuda", dp=8, edp=1
+        )
     with pytest.raises(ValueError, match="train.optimizer_cpu_offload"):
         resolve_optimizer_layout(
-            TrainConfig(optimizer_cpu_offload=True), device_type="cuda", dp=1, edp=1
+            TrainConfig(optimizer_cpu_offload=True, params_dtype="fp32"),
+            device_type="cuda",
+            dp=1,
+            edp=1,
         )
     with pytest.raises(ValueError, match="train.use_distributed_optimizer"):
         TrainConfig(use_precision_aware_optimizer=True, use_distributed_optimizer=False)
@@ -103,7 +120,8 @@ def test_bytes_per_param_by_layout():
         return resolve_optimizer_layout(TrainConfig(**kw), device_type="cuda", dp=2, edp=2)
 
     assert bytes_per_param(layout(), 2) == (2.0, 4.0, 6.0)  # 2 + 4 + (4 + 8) / 2 = 12
-    assert bytes_per_param(layout(use_distributed_optimizer=False), 2) == (2.0, 4.0, 12.0)
+    replicated_bf16 = OptimizerLayout("bf16", False, False, False)  # refused by the resolver
+    assert bytes_per_param(replicated_bf16, 2) == (2.0, 4.0, 12.0)
     assert bytes_per_param(layout(params_dtype="fp32", use_distributed_optimizer=False), 2) == (
         4.0,
         4.0,
@@ -129,3 +147,52 @@ def test_policy_trainer_gpu_check_skips_each_part_on_cpu():
     assert proc.stdout.splitlines() == [
         f"SKIP: {part}: no CUDA device" for part in ("logprobs", "steps", "push")
     ]
+
+
+def test_bf16_run_checkpoint_at_dp1_resumes_bit_exact(megatron_world, tiny_checkpoint, tmp_path):
+    """bf16 at DP 1 (a single GPU): the first run checkpoint used to fail in megatron-core
+    0.19's replicated mixed-precision optimizer ("Optimizer shape ... does not match model
+    shape": fp32 routers beside bf16 weights); the layout now takes the distributed optimizer,
+    and the step after a resume equals the uninterrupted one bit for bit."""
+    import json
+    import sys
+    from pathlib import Path
+
+    from megatron_sat.checkpoint.run_state import load_run_checkpoint, save_run_checkpoint
+    from megatron_sat.objectives import ObjectiveConfig
+    from megatron_sat.training.distributed import ParallelConfig
+    from megatron_sat.training.trainer import PolicyTrainer
+
+    sys.path.insert(0, str(Path(__file__).parent / "dist"))
+    from r3_common import make_samples
+
+    hf = json.loads((tiny_checkpoint / "config.json").read_text())
+
+    def trainer() -> PolicyTrainer:
+        return PolicyTrainer(
+            hf,
+            TrainConfig(lr=1e-4, micro_batch_size=4, params_dtype="bf16", seed=7),
+            ParallelConfig(),
+            pad_token_id=0,
+            load_from=tiny_checkpoint,
+        )
+
+    first = trainer()
+    assert first.optimizer_layout.use_distributed_optimizer
+    layers, top_k, experts = first.routing_shape
+    shape = dict(hf, num_hidden_layers=layers, num_experts_per_tok=top_k, num_experts=experts)
+    samples = make_samples([(3, 6)] * 8, shape, seed=3)
+    for s in samples:
+        s.rollout_log_probs = [0.0] * len(s.response_ids)
+    advantages = torch.linspace(-1.0, 1.0, 8)
+    objective = ObjectiveConfig(name="sat-gspo")
+    for _ in range(2):
+        first.rl_step(samples, advantages, objective)
+    save_run_checkpoint(tmp_path, model=first.model, optimizer=first.optimizer, step=2)
+    first.rl_step(samples, advantages, objective)
+    continued = dict(first.hf_tensors())
+    resumed = trainer()
+    load_run_checkpoint(tmp_path, model=resumed.model, optimizer=resumed.optimizer)
+    resumed.rl_step(samples, advantages, objective)
+    different = [n for n, t in resumed.hf_tensors() if not torch.equal(t, continued[n])]
+    assert not different, different[:5]

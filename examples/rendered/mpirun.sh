@@ -22,7 +22,7 @@
 #   server 0: node 0, devices 4,5,6,7, port 30000, sglang --tp-size 4 --enable-return-routed-experts; weight-sync ranks 1-4
 # weight sync: one group of 5 ranks (trainer rank 0 = group rank 0, hosts the store; 4 server ranks), backend nccl
 # batch: 4096 samples per step; per DP rank 4096 = 1024 micro-batches
-# memory per trainer GPU (bf16 params, no distributed optimizer, no offload: as built): 7,642,626,048 parameters -> params 14.2 GiB + grads 28.5 GiB + optimizer 85.4 GiB = 128.1 GiB of 140 GiB (headroom 11.9 GiB for activations)
+# memory per trainer GPU (bf16 params, distributed optimizer, no offload: as built): 7,642,626,048 parameters -> params 14.2 GiB + grads 28.5 GiB + optimizer 85.4 GiB = 128.1 GiB of 140 GiB (headroom 11.9 GiB for activations)
 # memory per trainer GPU (alternative: train.optimizer_cpu_offload=true with the distributed optimizer): 7,642,626,048 parameters -> params 14.2 GiB + grads 28.5 GiB + optimizer 0.0 GiB = 42.7 GiB of 140 GiB (headroom 97.3 GiB for activations)
 # memory per rollout device: bf16 weights 14.2 GiB (TP 4); the rest is the server's KV cache
 # note: objective.kl_coef > 0: the reference policy waits in host memory, 28.5 GiB per trainer rank while it is swapped in (its weights and the policy's), none on the device

@@ -35,17 +35,31 @@ def resolve_optimizer_layout(train: Any, *, device_type: str, dp: int, edp: int)
     dense data-parallel size ``dp`` (x CP) and expert data-parallel size ``edp``.
 
     ``params_dtype`` None: bf16 on CUDA, fp32 on the CPU. ``use_distributed_optimizer`` None:
-    on when ``dp > 1`` or ``edp > 1``.
+    on when ``dp > 1`` or ``edp > 1``, and always with bf16 parameters.
+
+    Why always with bf16: our bf16 models keep their routers in fp32 (``keep_router_fp32``),
+    and megatron-core 0.19's replicated mixed-precision optimizer
+    (``Float16OptimizerWithFloat16Params.sharded_state_dict``) numbers only the bf16 parameters
+    of a group while torch numbers all of them, so the first run checkpoint of a bf16 run at
+    DP 1 failed ("Optimizer shape (32, 32) does not match model shape (32, 16)"). The
+    distributed optimizer at DP 1 holds the same bytes and checkpoints (and resumes) exactly.
 
     Raises:
         ValueError: ``optimizer_cpu_offload`` / ``use_precision_aware_optimizer`` without the
             distributed optimizer (both DP sizes 1 and not forced on), or with fp32 params (no
-            main weights to offload or to keep apart from bf16 moments) (naming the field).
+            main weights to offload or to keep apart from bf16 moments); bf16 with
+            ``use_distributed_optimizer`` false (naming the field).
     """
     dtype = train.params_dtype or ("bf16" if device_type == "cuda" else "fp32")
     dist_opt = train.use_distributed_optimizer
     if dist_opt is None:
-        dist_opt = dp > 1 or edp > 1
+        dist_opt = dp > 1 or edp > 1 or dtype == "bf16"
+    if dtype == "bf16" and not dist_opt:
+        raise ValueError(
+            "train.use_distributed_optimizer=false with bf16 parameters: megatron-core 0.19's "
+            "replicated mixed-precision optimizer cannot checkpoint our fp32 routers beside "
+            "bf16 weights; leave train.use_distributed_optimizer unset (or true)"
+        )
     for name in ("optimizer_cpu_offload", "use_precision_aware_optimizer"):
         if getattr(train, name) and not dist_opt:
             raise ValueError(
