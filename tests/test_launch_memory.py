@@ -18,8 +18,9 @@ RECIPE = Path(__file__).resolve().parents[1] / "examples/configs/qwen3_30b_a3b_s
 def test_paper_recipe_memory_as_built_and_offloaded():
     plan = resolve_plan(load_config(RECIPE))
     m, n = plan.memory, plan.memory.params_per_rank
-    # TP x EP with DP = expert DP = 1: no distributed optimizer, bf16 + fp32 grads + 12 = 18 B.
-    assert not plan.optimizer_layout.use_distributed_optimizer
+    # TP x EP with DP = expert DP = 1: the distributed optimizer (always with bf16) shards
+    # nothing, bf16 + fp32 grads + 12 = 18 B.
+    assert plan.optimizer_layout.use_distributed_optimizer
     assert (m.param_bytes, m.grad_bytes, m.optimizer_bytes) == (2 * n, 4 * n, 12 * n)
     off = plan.memory_offload_toggled
     assert (off.param_bytes, off.grad_bytes, off.optimizer_bytes) == (2 * n, 4 * n, 0)
@@ -49,5 +50,8 @@ def test_layout_that_cannot_fit_is_refused_naming_the_fields():
 def test_params_dtype_must_agree_with_the_trainer():
     with pytest.raises(ValueError, match=r"launch.params_dtype='bf16'.*train.params_dtype='fp32'"):
         resolve_plan(load_config(RECIPE, ["train.params_dtype=fp32"]))
-    with pytest.raises(ValueError, match="train.optimizer_cpu_offload"):
-        resolve_plan(load_config(RECIPE, ["train.optimizer_cpu_offload=true"]))
+    with pytest.raises(ValueError, match="train.use_distributed_optimizer=false with bf16"):
+        resolve_plan(load_config(RECIPE, ["train.use_distributed_optimizer=false"]))
+    # Offload at DP 1 needs nothing else now that bf16 always takes the distributed optimizer.
+    plan = resolve_plan(load_config(RECIPE, ["train.optimizer_cpu_offload=true"]))
+    assert plan.memory.optimizer_bytes == 0
