@@ -52,6 +52,20 @@ def test_a_changed_byte_or_field_is_seen():
         encode_share(samples[1:] + samples[:1], advantages[:3], 0)
 
 
+@pytest.mark.parametrize("field", ["response_versions", "rollout_log_probs"])
+def test_a_per_token_list_of_another_length_is_refused_naming_the_sample(field):
+    """The decoder cuts versions and log-probs at the response length: one extra version of
+    sample 1001 would have become the next sample's first (found by review: staleness 5
+    instead of 0 on the receiving rank, accepted by every later check)."""
+    samples, advantages = synthetic_batch(4, 2, 16, layers=2, topk=2, experts=8)
+    getattr(samples[1], field).append(0)
+    n = len(samples[1].response_ids)
+    with pytest.raises(ValueError, match=rf"sample 1001: {n + 1} {field} for {n} response tokens"):
+        encode_share(samples, advantages, 0)
+    with pytest.raises(ValueError, match="trainer_version must be None or >= 0"):
+        encode_share(samples[:1], advantages[:1], -2)
+
+
 @pytest.mark.slow
 def test_every_rank_receives_what_the_pickled_scatter_gave():
     proc = run_torchrun(

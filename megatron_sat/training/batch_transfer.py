@@ -87,10 +87,15 @@ def encode_share(
 
     Raises:
         ValueError: naming the sample, for ``metadata`` that is not JSON, routes of an unknown
-            dtype, or advantages of another length.
+            dtype, ``response_versions`` or ``rollout_log_probs`` of another length than
+            ``response_ids`` (the decoder cuts both at the response length: a mismatch would
+            shift values into the next sample); advantages of another length; a negative
+            ``trainer_version``.
     """
     if advantages.shape[:1] != (len(samples),):
         raise ValueError(f"{tuple(advantages.shape)} advantages for {len(samples)} samples")
+    if trainer_version is not None and trainer_version < 0:
+        raise ValueError(f"trainer_version must be None or >= 0, got {trainer_version}")
     table = np.zeros((len(samples), len(_FIELDS)), dtype=np.int64)
     tokens, versions, log_probs, rewards, routes, text = [], [], [], [], [], []
     for row, s in enumerate(samples):
@@ -100,6 +105,12 @@ def encode_share(
             raise ValueError(f"sample {s.index}: metadata is not JSON ({e})") from e
         if json.loads(meta) != s.metadata:
             raise ValueError(f"sample {s.index}: metadata does not survive JSON: {s.metadata!r}")
+        n = len(s.response_ids)
+        for name in ("response_versions", "rollout_log_probs"):
+            if len(getattr(s, name)) != n:
+                raise ValueError(
+                    f"sample {s.index}: {len(getattr(s, name))} {name} for {n} response tokens"
+                )
         strings = [s.prompt.encode(), s.label.encode(), s.response_text.encode()]
         strings += [s.finish_reason.encode(), meta]
         r = s.routed_experts
