@@ -400,7 +400,13 @@ def _build(cls: type, values: dict[str, Any], prefix: str):
 def _coerce(value: Any, type_name: str, where: str) -> Any:
     """Scalars as their field's type: YAML reads ``3e-4`` as a string, ``1`` as an int."""
     base = type_name.removesuffix(" | None")
-    if value is None or base not in ("float", "int", "bool"):
+    if value is None:
+        # null only where the field takes None (a YAML `key:` with nothing after it is null:
+        # read as False for a bool, it silently turned train.use_r3 off).
+        if base != type_name or base not in ("float", "int", "bool", "str"):
+            return value
+        raise ValueError(f"config field {where} must be {base}, got null")
+    if base not in ("float", "int", "bool"):
         return value
     try:
         if base == "float" and not isinstance(value, bool) and math.isfinite(float(value)):
@@ -409,7 +415,7 @@ def _coerce(value: Any, type_name: str, where: str) -> Any:
             return int(float(value))
         if base == "bool" and isinstance(value, bool):
             return value
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # OverflowError: int(float(".inf"))
         pass
     kind = "a finite float" if base == "float" else base
     raise ValueError(f"config field {where} must be {kind}, got {value!r}")

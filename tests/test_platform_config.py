@@ -76,6 +76,14 @@ def test_config_yaml_overrides_and_errors(tmp_path):
     with pytest.raises(ValueError, match="config section rollout must be a mapping"):
         load_config(None, ["rollout=3"])
     assert load_config(None, ["parallel=null"]).parallel == RunConfig().parallel
+    # null only where a field takes None: an empty `use_r3:` in YAML read as False before.
+    with pytest.raises(ValueError, match="config field train.use_r3 must be bool, got null"):
+        load_config(None, ["train.use_r3=null"])
+    with pytest.raises(ValueError, match="config field train.num_steps must be int, got null"):
+        load_config(None, ["train.num_steps=null"])
+    with pytest.raises(ValueError, match="train.routing_diagnostic_interval must be int, got inf"):
+        load_config(None, ["train.routing_diagnostic_interval=.inf"])
+    assert load_config(None, ["train.params_dtype=null"]).train.params_dtype is None
     path.write_text("rollout: null\n")
     assert load_config(path, ["rollout.group_size=4"]).rollout.group_size == 4
     with pytest.raises(ValueError, match=r"launch.sglang_args must be a list of strings"):
