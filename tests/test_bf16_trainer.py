@@ -196,3 +196,30 @@ def test_bf16_run_checkpoint_at_dp1_resumes_bit_exact(megatron_world, tiny_check
     resumed.rl_step(samples, advantages, objective)
     different = [n for n, t in resumed.hf_tensors() if not torch.equal(t, continued[n])]
     assert not different, different[:5]
+
+
+def test_restore_adam_steps_unshares_and_checks_the_step():
+    """megatron-core 0.19's DistributedOptimizer load leaves ONE step tensor shared by every
+    parameter (and the template's value in it): each parameter gets its own tensor with the
+    checkpoint's step; a step that is not a finite number >= 0 is refused."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    from megatron_sat.training.distrib_optimizer_fix import restore_adam_steps
+
+    class Loaded(DistributedOptimizer):
+        def __init__(self, inner):  # only the torch optimizer matters here
+            self.optimizer = inner
+
+    a, b = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(3))
+    inner = torch.optim.AdamW([a, b])
+    shared = torch.tensor(1.0)
+    inner.state[a]["step"], inner.state[b]["step"] = shared, shared
+    opt = Loaded(inner)
+    assert restore_adam_steps(opt, {"optimizer": {"param_groups": [{"step": 2.0}]}}) == 2
+    assert inner.state[a]["step"] is not inner.state[b]["step"]
+    assert float(inner.state[a]["step"]) == float(inner.state[b]["step"]) == 2.0
+    for bad in (float("nan"), -1.0, "5"):
+        with pytest.raises(ValueError, match="finite number >= 0"):
+            restore_adam_steps(opt, {"optimizer": {"param_groups": [{"step": bad}]}})
+    with pytest.raises(ValueError, match="disagree on step"):
+        restore_adam_steps(opt, {"optimizer": {"param_groups": [{"step": 1}, {"step": 2}]}})

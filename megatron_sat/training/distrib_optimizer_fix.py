@@ -15,6 +15,8 @@ embedding range). The optimizer step itself walks the groups directly and was ri
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -80,7 +82,8 @@ def restore_adam_steps(optimizer, state_dict) -> int:
             index-keyed dict of them).
 
     Raises:
-        ValueError: when a checkpoint's parameter groups disagree on the step.
+        ValueError: when a checkpoint's parameter groups disagree on the step, or a step is
+            not a finite number >= 0 (a NaN step would turn Adam's bias correction NaN).
     """
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
@@ -96,9 +99,14 @@ def restore_adam_steps(optimizer, state_dict) -> int:
         if not isinstance(opt, DistributedOptimizer):
             continue
         groups = state["optimizer"]["param_groups"]
-        steps = {float(g["step"]) for g in groups if g.get("step") is not None}
-        if not steps:
+        raw = [g["step"] for g in groups if g.get("step") is not None]
+        if not raw:
             continue
+        bad = [v for v in raw if isinstance(v, bool) or not isinstance(v, int | float)]
+        bad += [v for v in raw if not bad and not (math.isfinite(v) and v >= 0)]
+        if bad:
+            raise ValueError(f"checkpoint's optimizer step must be a finite number >= 0: {bad}")
+        steps = {float(v) for v in raw}
         if len(steps) != 1:
             raise ValueError(f"checkpoint's optimizer parameter groups disagree on step: {steps}")
         (step,) = steps
