@@ -125,3 +125,22 @@ def test_reward_workers_score_concurrently_with_timeouts():
         assert workers("\\boxed{-8}", "-8") == 1.0
     with pytest.raises(ValueError, match="timeout_s"):
         RewardWorkers(timeout_s=0)
+
+
+def test_reward_workers_survive_a_killed_worker():
+    """A SIGKILLed worker (the OOM killer) breaks a ProcessPoolExecutor for good and fails
+    every pending task (found by review: one kill ended the RL run): the pool is replaced
+    and the pending pair scored again; later pairs score as before."""
+    import os
+    import signal
+
+    with RewardWorkers(num_workers=1, timeout_s=2) as workers:
+        pending = workers.submit("so \\boxed{10^{10^{10^{10}}}}", "82")  # runs into its 2 s
+        time.sleep(0.5)
+        for pid in list(workers._executor._processes):
+            os.kill(pid, signal.SIGKILL)
+        assert pending.result(timeout=120) == 0.0
+        assert workers.restarts == 1
+        assert workers("\\boxed{82}", "82") == 1.0
+        with pytest.raises(ValueError):
+            workers("\\boxed{82}", "")  # math_reward's own error still reaches the caller

@@ -25,6 +25,7 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 
 from math_verify import parse, verify
 
@@ -164,33 +165,81 @@ class RewardWorkers:
     call ``submit`` to overlap scoring with generation), and ``close`` it at the end.
     """
 
+    MAX_TRIES = 3  # scorings of one pair before a dying worker's error is raised
+
     def __init__(self, num_workers: int = 2, timeout_s: int = 5) -> None:
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, int) or timeout_s < 1:
             raise ValueError(f"timeout_s must be an int >= 1 (seconds), got {timeout_s!r}")
         self.timeout_s = timeout_s
-        self._executor = ProcessPoolExecutor(
-            num_workers,
-            mp_context=multiprocessing.get_context("spawn"),
-            initializer=_end_with_parent,
-            initargs=(os.getpid(),),
-        )
+        self.num_workers = num_workers
+        self.restarts = 0  # pools replaced after a worker died (e.g. the OOM killer)
+        self._lock = threading.Lock()
+        self._executor = self._new_executor()
         # Start the workers now (they import math-verify), not at the first reward.
         for warm in [self._executor.submit(int, 0) for _ in range(num_workers)]:
             warm.result()
 
+    def _new_executor(self) -> ProcessPoolExecutor:
+        return ProcessPoolExecutor(
+            self.num_workers,
+            mp_context=multiprocessing.get_context("spawn"),
+            initializer=_end_with_parent,
+            initargs=(os.getpid(),),
+        )
+
     def submit(self, response: str, label: str) -> Future:
         """Start scoring one pair; the future resolves to `math_reward`'s 1.0 or 0.0 (or
-        raises its ValueError for an unparseable label)."""
-        return self._executor.submit(_timed_reward, response, label, self.timeout_s)
+        raises its ValueError for an unparseable label).
+
+        A worker that dies (SIGKILL, OOM) breaks a ``ProcessPoolExecutor`` for good, failing
+        every pending task: the pool is then replaced and the pair scored again, up to
+        ``MAX_TRIES`` times (the score is a pure function of the pair), then the error is
+        raised."""
+        out: Future = Future()
+        self._submit_into(out, response, label, tries=1)
+        return out
+
+    def _submit_into(self, out: Future, response: str, label: str, tries: int) -> None:
+        with self._lock:
+            executor = self._executor
+        try:
+            inner = executor.submit(_timed_reward, response, label, self.timeout_s)
+        except BrokenProcessPool as e:
+            self._retry(out, response, label, tries, executor, e)
+            return
+
+        def done(f: Future) -> None:
+            error = f.exception()
+            if isinstance(error, BrokenProcessPool):
+                self._retry(out, response, label, tries, executor, error)
+            elif error is not None:
+                out.set_exception(error)
+            else:
+                out.set_result(f.result())
+
+        inner.add_done_callback(done)
+
+    def _retry(self, out, response, label, tries, broken, error) -> None:
+        if tries >= self.MAX_TRIES:
+            out.set_exception(error)
+            return
+        with self._lock:
+            if self._executor is broken:  # the first task to see it replaces the pool
+                self._executor = self._new_executor()
+                self.restarts += 1
+                broken.shutdown(wait=False)
+        self._submit_into(out, response, label, tries + 1)
 
     def __call__(self, response: str, label: str) -> float:
         return self.submit(response, label).result()
 
     def close(self) -> None:
         """Stop the worker processes (after the tasks already submitted)."""
-        self._executor.shutdown(wait=True)
+        with self._lock:
+            executor = self._executor
+        executor.shutdown(wait=True)
 
     def __enter__(self) -> RewardWorkers:
         return self
