@@ -264,9 +264,9 @@ def test_rl_steps_of_the_main_job_against_vllm(
         pushes.append((version, client.get_weight_version(), max_gap(run_trainer, probe(client))))
         return report
 
-    def recorded_step(trainer, samples, advantages, cfg, trainer_version):
+    def recorded_step(trainer, samples, advantages, cfg, trainer_version, **options):
         steps.append((trainer_version, [s.response_versions for s in samples], samples))
-        return real_step(trainer, samples, advantages, cfg, trainer_version)
+        return real_step(trainer, samples, advantages, cfg, trainer_version, **options)
 
     monkeypatch.setattr(rl, "sync_servers", recorded_sync)
     monkeypatch.setattr(rl, "distributed_rl_step", recorded_step)
