@@ -14,13 +14,16 @@ all the trainer's children: embedded servers, forked checkpoint writers, the res
 tracker), or whose command line names the run's checkpoint.
 
 The last line is JSON: ``resumed_identical`` (fraction of kill points, goal 1.0),
-``orphans`` (goal 0), the kill points, the seconds of the reference run.
-Usage: ``python bench/crash_resume.py [--points 5] [--mode sync] [--seed 0]``.
+``orphans`` (goal 0), the kill points (a point that is not identical names what differs:
+the first differing metrics and the tensors, with their largest difference), the seconds of
+the reference run. ``--keep DIR`` runs in ``DIR`` (new) and keeps the run folders and logs.
+Usage: ``python bench/crash_resume.py [--points 5] [--mode sync] [--seed 0] [--keep DIR]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -83,6 +86,44 @@ def weights(run_dir: Path) -> dict:
     return load_file(run_dir / "checkpoint" / "model.safetensors")
 
 
+def differences(run_dir: Path, want_metrics: list[dict], want_weights: dict) -> list[str]:
+    """What differs from the reference: up to 5 metrics (step, name, reference, got) and every
+    tensor that is missing, extra or not bitwise equal (with its largest absolute difference)."""
+    got_metrics, got = metrics(run_dir), weights(run_dir)
+    out = []
+    if len(got_metrics) != len(want_metrics):
+        out.append(f"{len(got_metrics)} metric rows, reference {len(want_metrics)}")
+    for want, row in zip(want_metrics, got_metrics):
+        for k in sorted(want.keys() | row.keys()):
+            if not same(want.get(k), row.get(k)) and len(out) < 5:
+                out.append(f"step {want.get('step')}: {k} {want.get(k)!r} vs {row.get(k)!r}")
+    for k in sorted(want_weights.keys() ^ got.keys()):
+        out.append(f"tensor {k} only in {'reference' if k in want_weights else 'resumed run'}")
+    for k in sorted(want_weights.keys() & got.keys()):
+        a, b = want_weights[k], got[k]
+        if a.shape != b.shape or a.dtype != b.dtype:
+            out.append(f"tensor {k}: {b.dtype}{list(b.shape)} vs {a.dtype}{list(a.shape)}")
+        elif not torch_equal(a, b):
+            out.append(f"tensor {k}: max |diff| {(a.double() - b.double()).abs().max().item():.3g}")
+    return out
+
+
+def same(a, b) -> bool:
+    """Equal metric values (a NaN equals a NaN: both runs logged the same undefined value)."""
+    return a == b or (isinstance(a, float) and isinstance(b, float) and a != a and b != b)
+
+
+def torch_equal(a, b) -> bool:
+    """Bitwise equality (NaN equals NaN of the same bits)."""
+    return bool((a.view(-1).view(torch_int(a)) == b.view(-1).view(torch_int(b))).all().item())
+
+
+def torch_int(t):
+    import torch
+
+    return {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+
+
 def alive_of(text: str, tag: str) -> list[int]:
     """Live processes whose command line contains ``text`` or whose environment has ``tag``
     (``NAME=value``)."""
@@ -116,10 +157,16 @@ def main() -> None:
     parser.add_argument("--points", type=int, default=5)
     parser.add_argument("--mode", default="sync", choices=["sync", "fixed_lag", "bounded"])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--keep", type=Path, help="run in this new folder and keep it")
     args = parser.parse_args()
     rng = random.Random(args.seed)
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
-    with tempfile.TemporaryDirectory(prefix="crash_resume_") as tmp:
+    if args.keep is not None:
+        args.keep.mkdir(parents=True)  # a new folder: FileExistsError names an old one
+        where = contextlib.nullcontext(str(args.keep.resolve()))
+    else:
+        where = tempfile.TemporaryDirectory(prefix="crash_resume_")
+    with where as tmp:
         root = Path(tmp)
         ckpt, data = make_inputs(root)
         t0 = time.time()
@@ -138,9 +185,13 @@ def main() -> None:
             tagged = {**env, TAG: tag.split("=", 1)[1]}
             if i % 2 == 0:  # between the commit's steps, at a checkpointed step
                 point = f"{PHASES[rng.randrange(len(PHASES))]}:{rng.choice([2, 4])}"
-                proc = subprocess.run(
-                    resume, env={**tagged, "MEGATRON_SAT_CRASH_AT": point}, capture_output=True
-                )
+                with open(root / f"kill{i}.log", "wb") as log:  # read below if not killed
+                    proc = subprocess.run(
+                        resume,
+                        env={**tagged, "MEGATRON_SAT_CRASH_AT": point},
+                        stdout=log,
+                        stderr=log,
+                    )
                 killed = proc.returncode == -signal.SIGKILL
             else:  # at a random moment (checkpoint writes included)
                 delay = rng.uniform(0.3, 0.9) * ref_s
@@ -163,18 +214,20 @@ def main() -> None:
                     # with nothing left to run; its outputs are compared as they are.
                     ok = b"nothing to resume" in done.stderr
                     point += " (after the summary)"
+                if not ok:
+                    tail = done.stderr.decode(errors="replace")[-1500:]
+                    print(f"kill point {i}: the resume failed (rc {done.returncode}): {tail}")
             else:  # it ended by itself before the kill (a failure is reported, not resumed)
                 ok = proc.returncode == 0 if i % 2 else False
                 if not ok:
                     tail = (root / f"kill{i}.log").read_text(errors="replace")[-1500:]
                     print(f"kill point {i} ended by itself (rc {proc.returncode}): {tail}")
-            if ok:
-                got = weights(run_dir)
-                ok = metrics(run_dir) == want_metrics and all(
-                    (got[k] == v).all().item() for k, v in want_weights.items()
-                )
+            diff = differences(run_dir, want_metrics, want_weights) if ok else []
+            ok = ok and not diff
             identical += ok
             points.append({"point": point, "killed": killed, "identical": bool(ok)})
+            if diff:
+                points[-1]["differs"] = diff
             print(json.dumps(points[-1]), flush=True)
     print(
         json.dumps(
