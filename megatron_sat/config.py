@@ -89,6 +89,12 @@ class RolloutConfig:
         lag: the lag n / staleness bound eta of the asynchronous modes, versions.
         on_update: asynchronous modes: requests cut by a weight push are ``resume``d from their
             partial output or ``restart``ed.
+        clock_tokens: ``bounded`` mode: 0 runs it on the wall clock (where a push cuts a
+            request depends on timing, so runs do not repeat); K > 0 on a logical clock of
+            rounds of K tokens per request: at each version the servers generate until the
+            next batch is complete, then one round more while the trainer steps, and the push
+            lands between rounds, so a run repeats and resumes bit for bit
+            (``megatron_sat.rollout.async_pool``; one batched request per server and round).
         eval_temperature: temperature of the sampled held-out evaluation.
         eval_samples_per_prompt: samples per held-out prompt for avg@k.
         filter_groups: replace prompt groups whose rewards are all equal (zero advantages) by
@@ -115,6 +121,7 @@ class RolloutConfig:
     mode: str = "sync"
     lag: int = 1
     on_update: str = "resume"
+    clock_tokens: int = 0
     eval_temperature: float = 1.0
     eval_samples_per_prompt: int = 4
     filter_groups: bool = False
@@ -154,6 +161,11 @@ class RolloutConfig:
             )
         if self.lag < 0:
             raise ValueError(f"rollout.lag must be >= 0, got {self.lag}")
+        if self.clock_tokens < 0 or (self.clock_tokens and self.mode != "bounded"):
+            raise ValueError(
+                f"rollout.clock_tokens must be >= 0 and applies to mode=bounded (fixed_lag and "
+                f"sync repeat without it), got {self.clock_tokens} with mode={self.mode}"
+            )
         if self.filter_max_resample < 0 or (self.filter_groups and self.filter_max_resample < 1):
             raise ValueError(
                 f"rollout.filter_max_resample must be >= 1 with rollout.filter_groups (0 would "

@@ -415,7 +415,7 @@ def crash_inputs(tmp_path_factory, arith) -> tuple[Path, Path]:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 @pytest.mark.parametrize(
     ("mode", "seed"),
-    [("sync", 20), ("fixed_lag", 16)],
+    [("sync", 20), ("fixed_lag", 16), ("bounded", 3)],
 )
 def test_run_killed_five_times_resumes_bit_identical(tmp_path, crash_inputs, mode, seed):
     """The 20-step run SIGKILLed at 5 seeded points (mid-write and between the commit's
@@ -424,12 +424,18 @@ def test_run_killed_five_times_resumes_bit_identical(tmp_path, crash_inputs, mod
     run survives it. Sync mode: the second process also loses its rollout server in the
     middle of a generation (the fleet restarts and re-syncs it; the per-request seeds keep
     the run on its path), and the restart count survives the later resumes. Fixed lag: the
-    batches generated ahead are restored from each checkpoint."""
+    batches generated ahead are restored from each checkpoint. Bounded (lag 2, on the logical
+    clock of rounds of 2 tokens, so samples span versions): the pool as it stands at each
+    checkpoint's pause, partial requests included."""
     from safetensors.torch import load_file
 
     checkpoint, arith_dir = crash_inputs
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
-    mode_args = [f"rollout.mode={mode}"] + (["rollout.lag=1"] if mode != "sync" else [])
+    mode_args = {
+        "sync": ["rollout.mode=sync"],
+        "fixed_lag": ["rollout.mode=fixed_lag", "rollout.lag=1"],
+        "bounded": ["rollout.mode=bounded", "rollout.lag=2", "rollout.clock_tokens=2"],
+    }[mode]
     straight = subprocess.run(
         _run_cmd(tmp_path / "a", arith_dir, checkpoint, *mode_args),
         env=env,
@@ -462,8 +468,16 @@ def test_run_killed_five_times_resumes_bit_identical(tmp_path, crash_inputs, mod
         assert _tagged(tag) == [], crash_at
     if mode == "sync":
         assert (tmp_path / "server_crashed").exists()  # the server did die mid-generation
-    drop = INCIDENT if mode == "sync" else ()
-    assert _metrics(run_b, drop) == _metrics(tmp_path / "a", drop)
+    # Bounded: the requests a server finished between two logs count the rounds that ended
+    # while the trainer stepped, a wall-clock measure like samples_per_s.
+    drop = {"sync": INCIDENT, "fixed_lag": (), "bounded": ("/requests",)}[mode]
+    rows = _metrics(run_b, drop)
+    assert rows == _metrics(tmp_path / "a", drop)
+    if mode == "bounded":
+        # Version 0 finishes batches 0-2; from version 1 on each overlap round starts the
+        # batch just admitted, which the next version finishes: batch b >= 3 is 2 old.
+        ages = [(r["rollout/staleness_mean"], r["rollout/staleness_max"]) for r in rows[1:]]
+        assert ages == [(0.0, 0.0), (1.0, 1.0)] + [(2.0, 2.0)] * (NUM_STEPS - 2)
     restarts = [r.get("rollout/server_restarts", 0.0) for r in _metrics(run_b)]
     assert restarts[-1] == (1.0 if mode == "sync" else 0.0)
     assert restarts == sorted(restarts)  # cumulative across the resumes

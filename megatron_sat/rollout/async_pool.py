@@ -15,6 +15,25 @@ age (trainer version minus the oldest version that produced one of its tokens, s
   during a push are either resumed from their partial output (each token keeps the version that
   produced it) or restarted from the prompt (``on_update``).
 
+Bounded mode runs on the wall clock by default: where a push cuts a request, and which version
+starts which request, depend on how fast the trainer and the servers are, so two runs with the
+same seed differ. With ``clock_tokens`` = K > 0 it runs on a logical clock instead, and a run
+repeats bit for bit (and resumes exactly from a checkpoint). Generation advances in *rounds*:
+every queued request (all admitted work: at most ``lag + 1`` batches, split in order over the
+live servers) generates up to K tokens, in one batched request per server, and the servers'
+answers are taken in server order once all have answered. At version ``v`` the servers run rounds
+until batch ``v`` (the one the trainer consumes next) is complete, then one more round (the
+generation that overlaps the trainer's step), then wait: a push lands between rounds
+(``wait_before_update`` waits for that pause), never inside one. A request cut by the end of a
+round continues in a later one, at whatever version then holds (``on_update``), so a sample's
+tokens can still span versions and its age ranges from 0 to ``lag``; the cut points are
+functions of K, the seeds and the batch shapes only. K stands for how fast the servers are
+against the trainer: the larger, the further ahead they get (at K = ``max_new_tokens`` the
+servers finish every admitted batch while the trainer steps, and samples reach the bound).
+Every request carries its own ``sampling_seed`` (``seed_of``), so a request's draws do not
+depend on which round, server or attempt generated them. A server that dies mid-round is not
+exact (its requests are re-issued to the others, whose batches then differ).
+
 Resilience: a request whose server fails (connection error, timeout, HTTP error) is re-issued on
 another live server; the failed server is marked dead and reported (``stats.dead_servers``,
 ``down_servers()``). A group is delivered once, when all its samples are complete. Every job is
@@ -90,6 +109,9 @@ class AsyncPoolConfig:
             share of the queue (at most one batch) in one batched request (the server's batches
             are then the same every run: see ``rollout.pool.RolloutPool``).
         max_in_flight_per_server: ``per_request`` requests in flight per server (>= 1).
+        clock_tokens: bounded mode only: 0 runs it on the wall clock; K > 0 on the logical
+            clock of rounds of K tokens per request (see the module docstring), which repeats
+            bit for bit. Rounds send one batched request per server (``per_server``).
     """
 
     mode: str = "fixed_lag"
@@ -101,8 +123,21 @@ class AsyncPoolConfig:
     max_replacements: int = 0
     dispatch: str = "per_server"
     max_in_flight_per_server: int = 64
+    clock_tokens: int = 0
 
     def __post_init__(self) -> None:
+        if self.clock_tokens < 0:
+            raise ValueError(f"async_pool.clock_tokens must be >= 0, got {self.clock_tokens}")
+        if self.clock_tokens and self.mode != "bounded":
+            raise ValueError(
+                f"async_pool.clock_tokens={self.clock_tokens} applies to mode='bounded' "
+                f"(fixed_lag repeats without it), got mode={self.mode!r}"
+            )
+        if self.clock_tokens and self.dispatch != "per_server":
+            raise ValueError(
+                f"async_pool.clock_tokens={self.clock_tokens} runs rounds of one batched "
+                f"request per server: it needs dispatch='per_server', got {self.dispatch!r}"
+            )
         if self.dispatch not in DISPATCH:
             raise ValueError(
                 f"async_pool.dispatch must be one of {DISPATCH}, got {self.dispatch!r}"
@@ -154,7 +189,9 @@ class PoolStats:
         replaced: slots revived by ``replace_server``.
         samples_per_server: finished samples per server URL (a restarted server has a new URL;
             per-index counters are in the pool's ``meter``).
-        filtered_groups: groups dropped for equal rewards and replaced (``filter_groups``).
+        filtered_groups: groups dropped for equal rewards and replaced (``filter_groups``), in
+            the batches ``get_batch`` returned so far (so the count at a step does not depend
+            on how far the servers are ahead).
     """
 
     reissued: int = 0
@@ -187,7 +224,8 @@ class AsyncRolloutPool:
             position), so a sample does not depend on which server or attempt served it.
 
     Raises:
-        ValueError: without clients, or for a meter of another server count.
+        ValueError: without clients, for a meter of another server count, or for
+            ``clock_tokens`` without ``seed_of``.
     """
 
     def __init__(
@@ -206,6 +244,11 @@ class AsyncRolloutPool:
     ) -> None:
         if not clients:
             raise ValueError("the rollout pool needs at least one server")
+        if config.clock_tokens and seed_of is None:
+            raise ValueError(
+                "async_pool.clock_tokens makes runs repeat, which needs a sampling_seed per "
+                "request: pass seed_of"
+            )
         self.seed_of = seed_of
         self.meter = meter or ServerMeter(len(clients))
         if self.meter.num_servers != len(clients):
@@ -239,6 +282,10 @@ class AsyncRolloutPool:
         # A slot's worker serves while its generation is current (see the module docstring).
         self._generation = [0] * len(self.clients)
         self._threads: list[threading.Thread] = []
+        # The logical clock (clock_tokens): rounds left at this version once batch
+        # ``_version`` is complete, and whether a round is in flight.
+        self._overlap_left = 1
+        self._round_busy = False
         self._reward_executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="reward")
 
     # -- trainer side ------------------------------------------------------------------------
@@ -253,6 +300,9 @@ class AsyncRolloutPool:
                 raise RuntimeError("AsyncRolloutPool.start() called twice")
             self._started = True
             self._admit()
+            if self.config.clock_tokens:
+                self._spawn_clock()
+                return
             for i in sorted(self._alive):
                 self._spawn_worker(i)
 
@@ -293,7 +343,7 @@ class AsyncRolloutPool:
             self._alive.add(index)
             self.stats.replaced += 1
             self.stats.samples_per_server.setdefault(client.base_url, 0)
-            if self._started:
+            if self._started and not self.config.clock_tokens:  # the clock serves every slot
                 self._spawn_worker(index)
             self._cond.notify_all()
 
@@ -320,17 +370,23 @@ class AsyncRolloutPool:
                 raise RuntimeError(f"batch {batch} not complete after {timeout_s} s")
             groups = self._done.pop(batch)
             del self._pending[batch]
+            self.stats.filtered_groups += self._replacements.pop(batch)
         return [s for g in sorted(groups) for s in groups[g]]
 
     def wait_before_update(self, new_version: int, timeout_s: float | None = None) -> None:
         """In fixed-lag mode, block until every batch generated by version ``new_version - 1``
-        has finished (so no batch straddles two versions); a no-op in bounded mode.
+        has finished (so no batch straddles two versions); on the logical clock
+        (``clock_tokens``), until version ``new_version - 1``'s rounds are done (the pause: the
+        push lands between rounds); a no-op in bounded mode on the wall clock.
 
         Raises:
             NoLiveServer: when every server is dead first (call again after
                 ``replace_server``).
             RuntimeError: when the pool failed (the cause chained) or the wait timed out.
         """
+        if self.config.clock_tokens:
+            self._wait_for_pause(f"the rounds of version {new_version - 1}", timeout_s)
+            return
         if self.config.mode != "fixed_lag":
             return
         last = new_version - 1 + self.config.lag
@@ -349,9 +405,11 @@ class AsyncRolloutPool:
                 raise RuntimeError(f"batches up to {last} not generated after {timeout_s} s")
 
     def set_version(self, version: int) -> None:
-        """The servers now hold ``version``: admit the batches it allows."""
+        """The servers now hold ``version``: admit the batches it allows. On the logical clock
+        the requests cut by the last round are resumed or restarted (``on_update``) here, as
+        the wall clock's push aborts them, and the rounds of ``version`` begin."""
         with self._cond:
-            self._version = version
+            self._change_version(version)
             self._admit()
             self._cond.notify_all()
 
@@ -369,7 +427,10 @@ class AsyncRolloutPool:
 
     def export_state(self, next_batch: int) -> dict:
         """What a run checkpoint taken when the trainer has consumed the batches
-        ``< next_batch`` needs to re-create this pool exactly (``restore_state``).
+        ``< next_batch`` needs to re-create this pool exactly (``restore_state``). Call it
+        after the push of version ``next_batch`` (``wait_before_update`` ran), before or after
+        ``set_version(next_batch)``; the RL loop calls it before, when the pool stands still
+        in fixed-lag mode and on the logical clock.
 
         In fixed-lag mode the batches ``next_batch .. next_batch + lag - 1`` are complete at
         that point (``wait_before_update`` ran before the push): their samples are exported,
@@ -384,7 +445,10 @@ class AsyncRolloutPool:
         ``>= next_batch``'s finished samples and unfinished slots, every queued request with
         its partial response, log-probs and per-token versions (``on_update="resume"``), its
         attempts and ``sampling_seed``, and the counters. What happens after the checkpoint
-        depends on timing again, in the uninterrupted run as in the resumed one.
+        depends on timing again, in the uninterrupted run as in the resumed one. On the logical
+        clock (``clock_tokens``) the same is exported at the clock's pause (waited for, after
+        ``set_version`` the pause of the new version), a state that does not depend on
+        timing, so the resumed run continues exactly as the uninterrupted one.
 
         Returns:
             fixed lag: ``{"batches": [samples of each complete batch], "drawn": int,
@@ -394,23 +458,26 @@ class AsyncRolloutPool:
         Raises:
             ValueError: when a batch that must be complete is not (fixed lag).
             RuntimeError: (bounded) when a worker does not finish its request in 60 s.
+            NoLiveServer: (logical clock) when every server is dead before the pause.
         """
         if self.config.mode == "bounded":
             return self._export_bounded(next_batch)
-        lag = self.config.lag
+        first_ahead = next_batch + self.config.lag  # the first batch re-created by the rule
         with self._cond:
             batches = []
-            for b in range(next_batch, next_batch + lag):
+            for b in range(next_batch, first_ahead):
                 if self._pending.get(b) != 0:
                     raise ValueError(f"batch {b} is not complete at the checkpoint")
                 groups = self._done[b]
                 batches.append([s for g in sorted(groups) for s in groups[g]])
-            first = self._first_draw.get(next_batch + lag, self._drawn)
+            first = self._first_draw.get(first_ahead, self._drawn)
             indices = [s.index for batch in batches for s in batch]
             return {
                 "batches": batches,
+                # Replacement groups of each: counted (stats.filtered_groups) when consumed.
+                "replacements": [self._replacements[b] for b in range(next_batch, first_ahead)],
                 "drawn": first,
-                "next_group": self._first_group.get(next_batch + lag, self._next_group),
+                "next_group": self._first_group.get(first_ahead, self._next_group),
                 # Sample.index only names samples in messages; kept increasing.
                 "next_index": (max(indices) + 1) if indices else self._index_floor,
             }
@@ -444,6 +511,7 @@ class AsyncRolloutPool:
                 f"pool state holds {len(state['batches'])} batches, async_pool.lag is "
                 f"{self.config.lag}"
             )
+        replacements = state.get("replacements", [0] * self.config.lag)
         with self._cond:
             for b, samples in enumerate(state["batches"]):
                 groups: dict[int, list] = {}
@@ -451,7 +519,8 @@ class AsyncRolloutPool:
                     # A run checkpoint stores dataclasses as dicts (RunState goes through asdict).
                     sample = sample if isinstance(sample, Sample) else Sample(**sample)
                     groups.setdefault(sample.group_index, []).append(sample)
-                self._done[b], self._pending[b], self._replacements[b] = groups, 0, 0
+                self._done[b], self._pending[b] = groups, 0
+                self._replacements[b] = replacements[b]
                 self._first_draw[b] = 0
             self._next_batch = len(state["batches"])
             self._next_group = state["next_group"]
@@ -477,9 +546,11 @@ class AsyncRolloutPool:
 
     def _export_bounded(self, next_batch: int) -> dict:
         """Bounded mode's ``export_state`` (see there): the pool stands still while read."""
-        started = self._started
+        started = self._started and not self.config.clock_tokens
         if started:
             self._quiesce()
+        elif self._started:
+            self._wait_for_pause("the pause before a checkpoint", None)
         try:
             with self._cond:
                 self._raise_if_failed()
@@ -504,6 +575,8 @@ class AsyncRolloutPool:
                     queue.append(entry)
                 return {
                     "mode": "bounded",
+                    "clock_tokens": self.config.clock_tokens,
+                    "overlap_left": self._overlap_left,
                     "batches": batches,
                     "queue": queue,
                     "drawn": self._drawn,
@@ -519,8 +592,19 @@ class AsyncRolloutPool:
                         self._spawn_worker(i)
 
     def _restore_bounded(self, state: dict) -> None:
-        """Bounded mode's ``restore_state`` (see there); the caller checked the mode."""
+        """Bounded mode's ``restore_state`` (see there); the caller checked the mode.
+
+        Raises:
+            ValueError: for a state of another ``clock_tokens``.
+        """
+        if state.get("clock_tokens", 0) != self.config.clock_tokens:
+            raise ValueError(
+                f"pool state of clock_tokens={state.get('clock_tokens', 0)} for "
+                f"async_pool.clock_tokens={self.config.clock_tokens}: the batches ahead were "
+                "cut by the other clock"
+            )
         with self._cond:
+            self._overlap_left = state.get("overlap_left", 1)
             for b, batch in enumerate(state["batches"]):
                 self._done[b] = {
                     int(g): [None if s is None else Sample(**s) for s in slots]
@@ -536,7 +620,10 @@ class AsyncRolloutPool:
                 record = record if isinstance(record, PromptRecord) else PromptRecord(**record)
                 self._queue.append(_Job(record=record, **entry))
             self._next_batch = len(state["batches"])
+            # -1: exported before the trainer's set_version(next_batch) (the RL loop's order);
+            # the servers hold that version, so it is made now, as set_version would have.
             self._version = state["version"]
+            self._change_version(0)
             self._next_group = state["next_group"]
             self._next_index = state["next_index"]
             self._index_floor = state["next_index"]
@@ -574,6 +661,20 @@ class AsyncRolloutPool:
             )
             self._threads.append(thread)
             thread.start()
+
+    def _change_version(self, version: int) -> None:
+        """``set_version``'s change, before it admits (caller holds the lock)."""
+        if self.config.clock_tokens and version != self._version:
+            for job in self._queue:
+                if not job.response_ids:
+                    continue
+                if self.config.on_update == "resume":
+                    self.stats.resumed += 1
+                else:
+                    job.response_ids, job.log_probs, job.versions = [], [], []
+                    self.stats.restarted += 1
+            self._overlap_left = 1
+        self._version = version
 
     def _admit(self) -> None:
         """Queue every batch ``b`` with ``b - lag <= version`` (caller holds the lock)."""
@@ -618,8 +719,7 @@ class AsyncRolloutPool:
         if informative_groups(rewards, len(slots))[0]:
             return
         del self._done[batch][group]
-        self._replacements[batch] += 1
-        self.stats.filtered_groups += 1
+        self._replacements[batch] += 1  # counted in stats when the batch is consumed
         self._admit_group(batch)
 
     def _worker(self, server: int, generation: int) -> None:
@@ -640,41 +740,143 @@ class AsyncRolloutPool:
                 share = min(share, self.config.prompts_per_batch * self.config.group_size)
                 share = 1 if self.config.dispatch == "per_request" else share
                 jobs = [self._queue.popleft() for _ in range(min(share, len(self._queue)))]
-            self.meter.begin(server)
-            try:
-                outputs = client.generate(
-                    [j.prompt_ids + j.response_ids for j in jobs],
-                    self._sampling_for(jobs),
-                    routing=self.routing,
-                )
-            except SGLangRequestError as e:
-                # The request is at fault, not the server (e.g. a prompt beyond the context):
-                # fail the run naming it rather than condemn every server in turn.
-                self.meter.end(server, failed=True)
-                sent = [j.record for j in jobs]
-                self._fail(
-                    jobs,
-                    SGLangRequestError(
-                        f"{client.base_url} refused {refused_prompts(e, sent)}: {e}",
-                        e.status_code,
-                    ),
-                )
+            outcome = self._request(server, client, jobs)
+            if not self._take(server, generation, client, jobs, outcome):
                 return
-            except (SGLangError, OSError) as e:
-                self.meter.end(server, failed=True)
-                self._server_failed(server, generation, client, jobs, e)
-                return
-            except BaseException as e:
-                self.meter.end(server, failed=True)
-                self._fail(jobs, e)
-                return
-            try:
-                self._finish(server, client, jobs, outputs)
-            except BaseException as e:
-                # E.g. a server without an integer weight_version: fail the run loudly rather
-                # than let this thread die with its jobs (the trainer would wait forever).
-                self._fail([], e)
-                return
+
+    def _request(
+        self, server: int, client: SGLangClient, jobs: list[_Job]
+    ) -> list[GenerateOutput] | BaseException:
+        """One batched /generate of ``jobs`` to ``client`` (metered): its outputs, or what it
+        raised."""
+        self.meter.begin(server)
+        try:
+            return client.generate(
+                [j.prompt_ids + j.response_ids for j in jobs],
+                self._sampling_for(jobs),
+                routing=self.routing,
+            )
+        except BaseException as e:
+            self.meter.end(server, failed=True)
+            return e
+
+    def _take(
+        self,
+        server: int,
+        generation: int,
+        client: SGLangClient,
+        jobs: list[_Job],
+        outcome: list[GenerateOutput] | BaseException,
+    ) -> bool:
+        """Deliver or re-queue ``jobs`` after their request's ``outcome``; False when the
+        slot's worker must end (its server failed, or the pool did)."""
+        if isinstance(outcome, SGLangRequestError):
+            # The request is at fault, not the server (e.g. a prompt beyond the context):
+            # fail the run naming it rather than condemn every server in turn.
+            sent = [j.record for j in jobs]
+            self._fail(
+                jobs,
+                SGLangRequestError(
+                    f"{client.base_url} refused {refused_prompts(outcome, sent)}: {outcome}",
+                    outcome.status_code,
+                ),
+            )
+            return False
+        if isinstance(outcome, (SGLangError, OSError)):
+            self._server_failed(server, generation, client, jobs, outcome)
+            return False
+        if isinstance(outcome, BaseException):
+            self._fail(jobs, outcome)
+            return False
+        try:
+            self._finish(server, client, jobs, outcome)
+        except BaseException as e:
+            # E.g. a server without an integer weight_version: fail the run loudly rather
+            # than let this thread die with its jobs (the trainer would wait forever).
+            self._fail([], e)
+            return False
+        return True
+
+    def _spawn_clock(self) -> None:
+        """Start the logical clock's thread (caller holds the lock)."""
+        thread = threading.Thread(target=self._clock, name="rollout-clock", daemon=True)
+        self._threads.append(thread)
+        thread.start()
+
+    def _work_due(self) -> bool:
+        """Whether the logical clock has a round to run at this version: batch ``_version``
+        is incomplete, or its overlap round is left (caller holds the lock)."""
+        incomplete = self._pending.get(self._version, 0) > 0
+        return bool(self._queue) and (incomplete or self._overlap_left > 0)
+
+    def _wait_for_pause(self, what: str, timeout_s: float | None) -> None:
+        """Block until the logical clock pauses at this version (no round in flight, none
+        due).
+
+        Raises:
+            NoLiveServer: when every server is dead first.
+            RuntimeError: when the pool failed (the cause chained) or the wait timed out.
+        """
+
+        def paused() -> bool:
+            return not self._round_busy and not self._work_due()
+
+        with self._cond:
+            ok = self._cond.wait_for(
+                lambda: (
+                    self._error is not None
+                    or paused()
+                    or (not self._alive and not self._round_busy)
+                ),
+                timeout_s,
+            )
+            self._raise_if_failed()
+            if not paused() and not self._alive:
+                raise NoLiveServer(self._no_server_message(what))
+            if not ok:
+                raise RuntimeError(f"{what} not reached after {timeout_s} s")
+
+    def _clock(self) -> None:
+        """The logical clock (see the module docstring): rounds until stopped or failed."""
+        with ThreadPoolExecutor(len(self.clients), thread_name_prefix="round") as pool:
+            while True:
+                with self._cond:
+                    self._cond.wait_for(
+                        lambda: (
+                            self._stopped
+                            or self._error is not None
+                            or (bool(self._alive) and self._work_due())
+                        )
+                    )
+                    if self._stopped or self._error is not None:
+                        return
+                    overlap = self._pending.get(self._version, 0) == 0
+                    live = sorted(self._alive)
+                    total = len(self._queue)  # everything admitted, at most lag + 1 batches
+                    requests = []
+                    for k, server in enumerate(live):  # the queue's head, in order over slots
+                        n = total // len(live) + (k < total % len(live))
+                        jobs = [self._queue.popleft() for _ in range(n)]
+                        if jobs:
+                            requests.append(
+                                (server, self._generation[server], self.clients[server], jobs)
+                            )
+                    self._round_busy = True
+                try:
+                    futures = [pool.submit(self._request, s, c, j) for s, _, c, j in requests]
+                    # Taken in slot order once all answered: the round's outcome (sample
+                    # order, queue order) does not depend on which server answered first.
+                    outcomes = [f.result() for f in futures]
+                    for (server, generation, client, jobs), outcome in zip(
+                        requests, outcomes, strict=True
+                    ):
+                        self._take(server, generation, client, jobs, outcome)
+                finally:
+                    with self._cond:
+                        if overlap:
+                            self._overlap_left = max(0, self._overlap_left - 1)
+                        self._round_busy = False
+                        self._cond.notify_all()
 
     def _fail(self, jobs: list[_Job], error: BaseException) -> None:
         """Fail the pool with ``error`` (its jobs back in the queue, for the record)."""
@@ -690,10 +892,7 @@ class AsyncRolloutPool:
                 SamplingParams(
                     **{
                         **self.sampling.__dict__,
-                        # Resumed requests continue up to the original length limit.
-                        "max_new_tokens": max(1, self.sampling.max_new_tokens - len(j.response_ids))
-                        if j.response_ids
-                        else self.sampling.max_new_tokens,
+                        "max_new_tokens": self._budget(j),
                         "sampling_seed": j.seed,
                     }
                 )
@@ -705,6 +904,14 @@ class AsyncRolloutPool:
         # Resumed requests continue up to the original length limit.
         left = max(1, self.sampling.max_new_tokens - done)
         return SamplingParams(**{**self.sampling.__dict__, "max_new_tokens": left})
+
+    def _budget(self, job: _Job) -> int:
+        """``max_new_tokens`` of ``job``'s next request (seeded): up to the original length
+        limit (a resumed request continues), and on the logical clock at most a round's
+        ``clock_tokens``."""
+        left = self.sampling.max_new_tokens - len(job.response_ids)
+        left = max(1, left) if job.response_ids else self.sampling.max_new_tokens
+        return min(left, self.config.clock_tokens) if self.config.clock_tokens else left
 
     def _server_failed(
         self,
@@ -744,6 +951,20 @@ class AsyncRolloutPool:
                 parse_weight_version(out.weight_version, url)  # even for an empty output
                 # Per token: an engine reporting per-token versions (vLLM's spans) keeps them.
                 versions = [parse_weight_version(v, url) for v in out.token_versions()]
+                # The end of a round (logical clock): the full budget came back, cut by the
+                # round's length, not the sample's; it continues in a later round.
+                cut = (
+                    self.config.clock_tokens > 0
+                    and out.finish_reason == "length"
+                    and len(out.output_ids) == self._budget(job)
+                    and len(job.response_ids) + len(out.output_ids) < self.sampling.max_new_tokens
+                )
+                if cut:
+                    job.response_ids += out.output_ids
+                    job.log_probs += out.output_token_logprobs
+                    job.versions += versions
+                    requeue.append(job)
+                    continue
                 if out.finish_reason == "abort":
                     if self.config.on_update == "resume":
                         job.response_ids += out.output_ids

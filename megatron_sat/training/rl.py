@@ -115,7 +115,10 @@ def rollout_dispatch(cfg: RunConfig) -> str:
     ``per_server`` to embedded servers: their engine is not batch-invariant (the same seeded
     request's log-probs differ by up to 1e-6 alone and in a batch, measured) and batches
     statically, so per-request arrival would make seeded runs differ bit for bit and would
-    not free a server sooner."""
+    not free a server sooner. The logical clock (``rollout.clock_tokens``) sends one batched
+    request per server and round, whatever the servers."""
+    if cfg.rollout.clock_tokens:
+        return "per_server"
     return "per_request" if cfg.rollout.server_urls else "per_server"
 
 
@@ -766,6 +769,7 @@ def _lead(
                     prompts_per_batch=ro.prompts_per_step,
                     group_size=ro.group_size,
                     on_update=ro.on_update,
+                    clock_tokens=ro.clock_tokens,
                     filter_groups=ro.filter_groups,
                     max_replacements=ro.max_replacement_groups,
                     dispatch=rollout_dispatch(cfg),
@@ -891,12 +895,28 @@ def _lead(
             followers.idle()
             metrics.update({f"train/{k}": v for k, v in train.items()})
             version += 1
-            t_sync = 0.0
+            t_sync = t_eval = 0.0
+            pool_state = None
+            eval_due = step % cfg.train.eval_every == 0 or step == cfg.train.num_steps
+            evaluated = None
             if async_pool is not None:
                 revived(functools.partial(async_pool.wait_before_update, version - base_version))
                 t1 = time.time()
                 push()
                 t_sync = time.time() - t1
+                if eval_due:
+                    # Before the pool goes on: none of its requests is in flight now (fixed
+                    # lag: the batches of the pushed version are done; the logical clock
+                    # pauses), so no rollout shares a server batch with the evaluation (the
+                    # embedded engine's log-probs depend on the batch).
+                    evaluated = run_eval(step)
+                    t_eval = time.time() - t1 - t_sync
+                if due(cfg, step):
+                    # Fixed lag: the complete batches ahead are saved, the next one re-created;
+                    # bounded: everything admitted, as it stands (the logical clock: paused).
+                    pool_state = revived(
+                        functools.partial(async_pool.export_state, step - first_step + 1)
+                    )
                 async_pool.set_version(version - base_version)
             elif version % ro.update_weights_interval == 0:
                 t1 = time.time()
@@ -907,11 +927,11 @@ def _lead(
                     "time/generate_s": t_gen,
                     "time/sync_s": t_sync,  # restarts and regrouping included
                     "time/restart_s": restart_s,
-                    "time/step_s": time.time() - t0,
+                    "time/step_s": time.time() - t0 - t_eval,
                 }
             )
-            if step % cfg.train.eval_every == 0 or step == cfg.train.num_steps:
-                metrics.update(run_eval(step))
+            if eval_due:
+                metrics.update(run_eval(step) if evaluated is None else evaluated)
                 last_acc = metrics["eval/acc_greedy"]
             # Per server index, since the previous step's log (evaluation included).
             now = meter.snapshot()
@@ -931,11 +951,7 @@ def _lead(
             logger.log(step, metrics)
             followers.tell("save", step)
             drawn = prompts.consumed  # the prompts admitted ahead are drawn again on resume
-            pool_state = None
-            if async_pool is not None and due(cfg, step):
-                # Fixed lag: the complete batches ahead are saved, the next one re-created;
-                # bounded: everything admitted, as it stands at the checkpoint.
-                pool_state = async_pool.export_state(step - first_step + 1)
+            if pool_state is not None:
                 drawn = pool_start + pool_state["drawn"]
             elif async_pool is not None:
                 drawn = pool_start + async_pool.drawn_before(step - first_step + 1)
