@@ -66,6 +66,21 @@ def test_a_per_token_list_of_another_length_is_refused_naming_the_sample(field):
         encode_share(samples[:1], advantages[:1], -2)
 
 
+def test_unencodable_values_are_refused_naming_the_sample():
+    """What numpy or UTF-8 cannot hold fails as a ValueError naming the sample and field, not
+    as a bare UnicodeEncodeError, OverflowError or TypeError (found by review)."""
+    samples, advantages = synthetic_batch(3, 1, 8, layers=2, topk=2, experts=8)
+    with pytest.raises(ValueError, match="advantages must be float32 or float64, got torch.bf"):
+        encode_share(samples, advantages.bfloat16(), 0)
+    samples[1].response_text = "ok \udcff"  # a lone surrogate
+    with pytest.raises(ValueError, match="sample 1001: response_text is not UTF-8 encodable"):
+        encode_share(samples, advantages, 0)
+    samples[1].response_text = "ok"
+    samples[2].prompt_ids = [*samples[2].prompt_ids, 2**63]
+    with pytest.raises(ValueError, match="sample 1002: prompt_ids outside int64"):
+        encode_share(samples, advantages, 0)
+
+
 @pytest.mark.slow
 def test_every_rank_receives_what_the_pickled_scatter_gave():
     proc = run_torchrun(

@@ -223,3 +223,9 @@ def test_restore_adam_steps_unshares_and_checks_the_step():
             restore_adam_steps(opt, {"optimizer": {"param_groups": [{"step": bad}]}})
     with pytest.raises(ValueError, match="disagree on step"):
         restore_adam_steps(opt, {"optimizer": {"param_groups": [{"step": 1}, {"step": 2}]}})
+    # A chain given another number of states names the layout instead of a bare zip error.
+    chain = type("Chain", (), {"chained_optimizers": [opt, opt]})()
+    state = {"optimizer": {"param_groups": [{"step": 2.0}]}}
+    with pytest.raises(ValueError, match="optimizer state of 3 optimizers for a chain of 2"):
+        restore_adam_steps(chain, [state] * 3)
+    assert restore_adam_steps(chain, {0: state, 1: state}) == 4

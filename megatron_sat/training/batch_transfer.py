@@ -75,6 +75,15 @@ def _flat(lists: list[list], dtype) -> np.ndarray:
     return np.fromiter(itertools.chain.from_iterable(lists), dtype=dtype, count=total)
 
 
+def _utf8(sample: Sample, name: str) -> bytes:
+    """``sample.<name>`` as UTF-8; ValueError naming the sample and field when it is not
+    encodable (a lone surrogate from a bad decode)."""
+    try:
+        return getattr(sample, name).encode()
+    except UnicodeEncodeError as e:
+        raise ValueError(f"sample {sample.index}: {name} is not UTF-8 encodable ({e})") from e
+
+
 def encode_share(
     samples: list[Sample], advantages: torch.Tensor, trainer_version: int | None
 ) -> torch.Tensor:
@@ -89,11 +98,14 @@ def encode_share(
         ValueError: naming the sample, for ``metadata`` that is not JSON, routes of an unknown
             dtype, ``response_versions`` or ``rollout_log_probs`` of another length than
             ``response_ids`` (the decoder cuts both at the response length: a mismatch would
-            shift values into the next sample); advantages of another length; a negative
-            ``trainer_version``.
+            shift values into the next sample), a string field that is not UTF-8 encodable
+            (a lone surrogate), token ids or versions outside int64; advantages of another
+            length or of another dtype than float32/float64; a negative ``trainer_version``.
     """
     if advantages.shape[:1] != (len(samples),):
         raise ValueError(f"{tuple(advantages.shape)} advantages for {len(samples)} samples")
+    if advantages.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"advantages must be float32 or float64, got {advantages.dtype}")
     if trainer_version is not None and trainer_version < 0:
         raise ValueError(f"trainer_version must be None or >= 0, got {trainer_version}")
     table = np.zeros((len(samples), len(_FIELDS)), dtype=np.int64)
@@ -111,8 +123,8 @@ def encode_share(
                 raise ValueError(
                     f"sample {s.index}: {len(getattr(s, name))} {name} for {n} response tokens"
                 )
-        strings = [s.prompt.encode(), s.label.encode(), s.response_text.encode()]
-        strings += [s.finish_reason.encode(), meta]
+        strings = [_utf8(s, name) for name in ("prompt", "label", "response_text")]
+        strings += [_utf8(s, "finish_reason"), meta]
         r = s.routed_experts
         shape = (-1, 0, 0, 0) if r is None else (*r.shape, _code(r.dtype))
         if r is not None and r.ndim != 3:
@@ -139,10 +151,18 @@ def encode_share(
          _code(adv.dtype), adv.ndim, *adv.shape],
         dtype=np.int64,
     )  # fmt: skip
+    try:
+        flat_tokens, flat_versions = _flat(tokens, np.int64), _flat(versions, np.int64)
+    except OverflowError:
+        for s in samples:  # only on the error path: name the sample
+            for name in ("prompt_ids", "response_ids", "response_versions"):
+                if any(not -(2**63) <= v < 2**63 for v in getattr(s, name)):
+                    raise ValueError(f"sample {s.index}: {name} outside int64") from None
+        raise
     segments = [
         table,
-        _flat(tokens, np.int64),
-        _flat(versions, np.int64),
+        flat_tokens,
+        flat_versions,
         _flat(log_probs, np.float64),
         np.array(rewards, dtype=np.float64),
         adv,

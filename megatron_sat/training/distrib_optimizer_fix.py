@@ -82,8 +82,9 @@ def restore_adam_steps(optimizer, state_dict) -> int:
             index-keyed dict of them).
 
     Raises:
-        ValueError: when a checkpoint's parameter groups disagree on the step, or a step is
-            not a finite number >= 0 (a NaN step would turn Adam's bias correction NaN).
+        ValueError: when a checkpoint's parameter groups disagree on the step, a step is
+            not a finite number >= 0 (a NaN step would turn Adam's bias correction NaN), or
+            a chain's state holds another number of optimizers than the chain.
     """
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
@@ -94,6 +95,11 @@ def restore_adam_steps(optimizer, state_dict) -> int:
         states = [v for _, v in sorted(state_dict.items())]
     else:
         states = list(state_dict)
+    if len(states) != len(optimizers):
+        raise ValueError(
+            f"optimizer state of {len(states)} optimizers for a chain of {len(optimizers)}: "
+            "the checkpoint was saved by another optimizer layout"
+        )
     corrected = 0
     for opt, state in zip(optimizers, states, strict=True):
         if not isinstance(opt, DistributedOptimizer):
