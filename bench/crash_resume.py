@@ -19,7 +19,9 @@ The last line is JSON: ``resumed_identical`` (fraction of kill points, goal 1.0)
 ``orphans`` (goal 0), the kill points (a point that is not identical names what differs:
 the first differing metrics and the tensors, with their largest difference), the seconds of
 the reference run. ``--keep DIR`` runs in ``DIR`` (new) and keeps the run folders and logs.
-Usage: ``python bench/crash_resume.py [--points 5] [--mode sync] [--seed 0] [--keep DIR]``.
+``--mode``: sync, fixed_lag (lag 1) or bounded (lag 2 on the logical clock,
+``rollout.clock_tokens=2``). Usage:
+``python bench/crash_resume.py [--points 5] [--mode sync] [--seed 0] [--keep DIR]``.
 """
 
 from __future__ import annotations
@@ -38,6 +40,15 @@ import time
 from pathlib import Path
 
 TIMING = ("time/", "per_s", "utilisation")
+# Bounded mode runs on the logical clock (rollout.clock_tokens), the one that repeats; the
+# requests a server finished between two logs then count the rounds that ended while the
+# trainer stepped, a wall-clock measure.
+MODE_ARGS = {
+    "sync": (),
+    "fixed_lag": ("rollout.lag=1",),
+    "bounded": ("rollout.lag=2", "rollout.clock_tokens=2"),
+}
+MODE_TIMING = {"sync": (), "fixed_lag": (), "bounded": ("/requests",)}
 PHASES = ("writing", "written", "renamed", "committed")  # checkpoint.run_state.COMMIT_PHASES
 TAG = "CRASH_RESUME_TAG"
 
@@ -74,13 +85,14 @@ def command(run_dir: Path, ckpt: Path, data: Path, mode: str, *extra: str) -> li
         "data.num_eval_prompts=4", "rollout.prompts_per_step=4", "rollout.group_size=4",
         "rollout.max_new_tokens=4", "rollout.eval_samples_per_prompt=2", f"rollout.mode={mode}",
         "train.seed=5", "train.num_steps=6", "train.save_every=2", "train.eval_every=3",
-        "train.micro_batch_size=16", *extra,
+        "train.micro_batch_size=16", *MODE_ARGS[mode], *extra,
     ]  # fmt: skip
 
 
-def metrics(run_dir: Path) -> list[dict]:
+def metrics(run_dir: Path, mode: str) -> list[dict]:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if not any(t in k for t in TIMING)} for r in rows]
+    timing = TIMING + MODE_TIMING[mode]
+    return [{k: v for k, v in r.items() if not any(t in k for t in timing)} for r in rows]
 
 
 def weights(run_dir: Path) -> dict:
@@ -89,10 +101,12 @@ def weights(run_dir: Path) -> dict:
     return load_file(run_dir / "checkpoint" / "model.safetensors")
 
 
-def differences(run_dir: Path, want_metrics: list[dict], want_weights: dict) -> list[str]:
+def differences(
+    run_dir: Path, want_metrics: list[dict], want_weights: dict, mode: str
+) -> list[str]:
     """What differs from the reference: up to 5 metrics (step, name, reference, got) and every
     tensor that is missing, extra or not bitwise equal (with its largest absolute difference)."""
-    got_metrics, got = metrics(run_dir), weights(run_dir)
+    got_metrics, got = metrics(run_dir, mode), weights(run_dir)
     out = []
     if len(got_metrics) != len(want_metrics):
         out.append(f"{len(got_metrics)} metric rows, reference {len(want_metrics)}")
@@ -179,7 +193,7 @@ def main() -> None:
         ref_s = time.time() - t0
         if ref.returncode != 0:
             raise SystemExit(ref.stderr.decode()[-3000:])
-        want_metrics, want_weights = metrics(root / "ref"), weights(root / "ref")
+        want_metrics, want_weights = metrics(root / "ref", args.mode), weights(root / "ref")
         identical, orphans, points = 0, 0, []
         for i in range(args.points):
             run_dir = root / f"kill{i}"
@@ -234,7 +248,7 @@ def main() -> None:
                 ok = False
                 tail = (root / f"kill{i}.log").read_text(errors="replace")[-1500:]
                 print(f"kill point {i} ended by itself, not killed (rc {proc.returncode}): {tail}")
-            diff = differences(run_dir, want_metrics, want_weights) if ok else []
+            diff = differences(run_dir, want_metrics, want_weights, args.mode) if ok else []
             ok = ok and not diff
             identical += ok
             points.append({"point": point, "killed": killed, "identical": bool(ok)})
