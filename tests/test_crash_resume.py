@@ -633,3 +633,30 @@ def test_bounded_run_resumes_from_the_pool_as_it_stood(tmp_path, crash_inputs):
     assert resumed[:5] == killed[:5]  # kept from the killed process
     assert resumed[5] == killed[5]  # generated again after the resume: the same
     assert killed[5]["rollout/staleness_max"] <= 2
+
+
+@pytest.mark.slow
+def test_resume_with_a_pool_of_another_shape_is_refused_before_the_servers(tmp_path, crash_inputs):
+    """Found by review: a bounded run checkpointed at lag 2 and resumed at lag 1 was accepted
+    and gave samples 2 versions old. It is refused at the resume, naming the field, before a
+    server starts."""
+    checkpoint, arith_dir = crash_inputs
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
+    args = ["rollout.mode=bounded", "rollout.clock_tokens=2", "train.save_every=2"]
+    run = tmp_path / "run"
+    first = subprocess.run(
+        _run_cmd(run, arith_dir, checkpoint, *args, "rollout.lag=2", "train.num_steps=2"),
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert first.returncode == 0, first.stderr[-3000:]
+    again = subprocess.run(
+        _run_cmd(run, arith_dir, checkpoint, *args, "rollout.lag=1", "train.resume=true"),
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert again.returncode == 1
+    assert "rollout.lag=2 in the checkpoint, 1 here" in again.stderr
+    assert "check_pool_state" in again.stderr and "_lead" not in again.stderr  # before servers

@@ -14,7 +14,7 @@ import torch
 from test_async_pool import CharTokenizer, records
 
 from megatron_sat.config import RolloutConfig
-from megatron_sat.rollout.async_pool import AsyncPoolConfig, AsyncRolloutPool
+from megatron_sat.rollout.async_pool import AsyncPoolConfig, AsyncRolloutPool, check_pool_state
 from megatron_sat.rollout.client import GenerateOutput, SamplingParams
 
 
@@ -189,8 +189,26 @@ def test_the_clock_is_refused_where_it_cannot_hold():
         )
     with pytest.raises(ValueError, match="rollout.clock_tokens must be >= 0 and applies to mode"):
         RolloutConfig(mode="fixed_lag", clock_tokens=4)
-    wall = clock_pool([ClockFake("a", {"version": 0}, random.Random(0))], clock_tokens=0)
-    state = wall.export_state(0)  # not started: nothing to quiesce
-    clocked = clock_pool([ClockFake("a", {"version": 0}, random.Random(0))], clock_tokens=1)
-    with pytest.raises(ValueError, match="pool state of clock_tokens=0 for async_pool.clock_"):
-        clocked.restore_state(state)
+
+
+@pytest.mark.parametrize(
+    ("saved", "here", "message"),
+    [
+        ({"clock_tokens": 0}, {}, "rollout.clock_tokens=0 in the checkpoint, 1 here"),
+        ({"lag": 2}, {}, "rollout.lag=2 in the checkpoint, 1 here"),  # ages would pass lag
+        ({}, {"group_size": 2}, "rollout.group_size=1 in the checkpoint, 2 here"),
+        ({"prompts_per_batch": 3}, {}, "rollout.prompts_per_step=3 in the checkpoint, 1 here"),
+    ],
+)
+def test_a_pool_state_of_another_shape_is_refused_naming_the_field(saved, here, message):
+    """Found by review: a bounded checkpoint resumed with a smaller lag gave ages of 2 at lag
+    1, and one of another group size returned groups the advantages would split."""
+    state = clock_pool([ClockFake("a", {"version": 0}, random.Random(0))], **saved).export_state(0)
+    pool = clock_pool([ClockFake("a", {"version": 0}, random.Random(0))], **here)
+    with pytest.raises(ValueError, match=f"made with another shape \\({message}\\)"):
+        check_pool_state(state, pool.config)
+    with pytest.raises(ValueError, match=message):
+        pool.restore_state(state)
+    fixed = AsyncPoolConfig(mode="fixed_lag", lag=1, prompts_per_batch=1, group_size=1)
+    with pytest.raises(ValueError, match="rollout.mode='bounded' in the checkpoint"):
+        check_pool_state(state, fixed)

@@ -31,8 +31,12 @@ functions of K, the seeds and the batch shapes only. K stands for how fast the s
 against the trainer: the larger, the further ahead they get (at K = ``max_new_tokens`` the
 servers finish every admitted batch while the trainer steps, and samples reach the bound).
 Every request carries its own ``sampling_seed`` (``seed_of``), so a request's draws do not
-depend on which round, server or attempt generated them. A server that dies mid-round is not
-exact (its requests are re-issued to the others, whose batches then differ).
+depend on which round, server or attempt generated them. The only server dying in a round
+while the trainer waits for its batch is exact: the round is redone by the restarted server,
+at the same version. Not exact: a server dying while others live (its requests go to the
+others, whose batches then differ), and one dying in the overlap round, while the trainer
+steps: the trainer has moved on, so the restarted server gets the next version's weights and
+the round's lost work is done at that version.
 
 Resilience: a request whose server fails (connection error, timeout, HTTP error) is re-issued on
 another live server; the failed server is marked dead and reported (``stats.dead_servers``,
@@ -159,6 +163,51 @@ class AsyncPoolConfig:
             raise ValueError(
                 f"async_pool.max_replacements must be >= 0, got {self.max_replacements}"
             )
+
+
+# What a resumed pool must share with the checkpointed one (async_pool field: run config field).
+_SHAPE = {
+    "mode": "rollout.mode",
+    "lag": "rollout.lag",
+    "prompts_per_batch": "rollout.prompts_per_step",
+    "group_size": "rollout.group_size",
+    "clock_tokens": "rollout.clock_tokens",
+}
+
+
+def check_pool_state(state: dict, config: AsyncPoolConfig) -> None:
+    """Refuse a pool state (``AsyncRolloutPool.export_state``) made by a pool of another
+    shape than ``config``: the batches ahead were admitted, sized or cut by it, so a resumed
+    run would break its staleness bound (a smaller lag), split its groups (another group
+    size) or leave the logical clock's path. Call it before starting servers: the RL loop
+    does at resume.
+
+    Raises:
+        ValueError: naming each field that differs, with the run config's name
+            (``rollout.lag``, ``rollout.group_size``, ...), its value in the checkpoint and
+            here.
+    """
+    saved = state.get("config")
+    if saved is None:  # a state written before the shape was recorded: what it does show
+        saved = {
+            "mode": state.get("mode", "fixed_lag"),
+            "clock_tokens": state.get("clock_tokens", 0),
+        }
+        if saved["mode"] != "bounded":
+            saved["lag"] = len(state["batches"])
+    if saved["mode"] != "bounded" and config.mode != "bounded":
+        saved = {**saved, "mode": config.mode}  # fixed-lag states were written without a mode
+    differ = [
+        f"{field}={saved[name]!r} in the checkpoint, {getattr(config, name)!r} here"
+        for name, field in _SHAPE.items()
+        if name in saved and saved[name] != getattr(config, name)
+    ]
+    if differ:
+        raise ValueError(
+            "the run checkpoint's rollout pool was made with another shape ("
+            + "; ".join(differ)
+            + "): resume with the values it was saved with"
+        )
 
 
 @dataclass
@@ -473,6 +522,7 @@ class AsyncRolloutPool:
             first = self._first_draw.get(first_ahead, self._drawn)
             indices = [s.index for batch in batches for s in batch]
             return {
+                "config": self._shape(),
                 "batches": batches,
                 # Replacement groups of each: counted (stats.filtered_groups) when consumed.
                 "replacements": [self._replacements[b] for b in range(next_batch, first_ahead)],
@@ -494,23 +544,14 @@ class AsyncRolloutPool:
 
         Raises:
             RuntimeError: after ``start``.
-            ValueError: for a state of another lag or mode.
+            ValueError: for a state of a pool of another shape (``check_pool_state``).
         """
         if self._started:
             raise RuntimeError("restore_state after start()")
-        if (state.get("mode") == "bounded") != (self.config.mode == "bounded"):
-            raise ValueError(
-                f"pool state of mode {state.get('mode', 'fixed_lag')!r} for async_pool.mode="
-                f"{self.config.mode!r}"
-            )
+        check_pool_state(state, self.config)
         if state.get("mode") == "bounded":
             self._restore_bounded(state)
             return
-        if len(state["batches"]) != self.config.lag:
-            raise ValueError(
-                f"pool state holds {len(state['batches'])} batches, async_pool.lag is "
-                f"{self.config.lag}"
-            )
         replacements = state.get("replacements", [0] * self.config.lag)
         with self._cond:
             for b, samples in enumerate(state["batches"]):
@@ -575,6 +616,7 @@ class AsyncRolloutPool:
                     queue.append(entry)
                 return {
                     "mode": "bounded",
+                    "config": self._shape(),
                     "clock_tokens": self.config.clock_tokens,
                     "overlap_left": self._overlap_left,
                     "batches": batches,
@@ -592,17 +634,7 @@ class AsyncRolloutPool:
                         self._spawn_worker(i)
 
     def _restore_bounded(self, state: dict) -> None:
-        """Bounded mode's ``restore_state`` (see there); the caller checked the mode.
-
-        Raises:
-            ValueError: for a state of another ``clock_tokens``.
-        """
-        if state.get("clock_tokens", 0) != self.config.clock_tokens:
-            raise ValueError(
-                f"pool state of clock_tokens={state.get('clock_tokens', 0)} for "
-                f"async_pool.clock_tokens={self.config.clock_tokens}: the batches ahead were "
-                "cut by the other clock"
-            )
+        """Bounded mode's ``restore_state`` (see there); the caller checked the state."""
         with self._cond:
             self._overlap_left = state.get("overlap_left", 1)
             for b, batch in enumerate(state["batches"]):
@@ -661,6 +693,10 @@ class AsyncRolloutPool:
             )
             self._threads.append(thread)
             thread.start()
+
+    def _shape(self) -> dict:
+        """What a pool state must agree on with the pool that restores it."""
+        return {name: getattr(self.config, name) for name in _SHAPE}
 
     def _change_version(self, version: int) -> None:
         """``set_version``'s change, before it admits (caller holds the lock)."""

@@ -54,7 +54,7 @@ from megatron_sat.config import RunConfig
 from megatron_sat.launch.sync import weight_sync_options
 from megatron_sat.objectives import compute_grpo_advantages
 from megatron_sat.platform.device import get_device, weight_sync_backend
-from megatron_sat.rollout.async_pool import AsyncPoolConfig, AsyncRolloutPool
+from megatron_sat.rollout.async_pool import AsyncPoolConfig, AsyncRolloutPool, check_pool_state
 from megatron_sat.rollout.auth import ServerKeys, load_server_keys
 from megatron_sat.rollout.client import RoutingSpec, SamplingParams, SGLangClient
 from megatron_sat.rollout.datasets import PromptRecord, load_prompt_dataset
@@ -120,6 +120,22 @@ def rollout_dispatch(cfg: RunConfig) -> str:
     if cfg.rollout.clock_tokens:
         return "per_server"
     return "per_request" if cfg.rollout.server_urls else "per_server"
+
+
+def async_pool_config(cfg: RunConfig) -> AsyncPoolConfig:
+    """The asynchronous pool of ``rollout.mode`` fixed_lag or bounded, from the run config."""
+    ro = cfg.rollout
+    return AsyncPoolConfig(
+        mode=ro.mode,
+        lag=ro.lag,
+        prompts_per_batch=ro.prompts_per_step,
+        group_size=ro.group_size,
+        on_update=ro.on_update,
+        clock_tokens=ro.clock_tokens,
+        filter_groups=ro.filter_groups,
+        max_replacements=ro.max_replacement_groups,
+        dispatch=rollout_dispatch(cfg),
+    )
 
 
 def rollout_fleet(cfg: RunConfig) -> RolloutFleet:
@@ -644,6 +660,10 @@ def run_rl(cfg: RunConfig) -> dict:
             fresh_after_crash = True
             print(f"megatron-sat: no committed run checkpoint in {cfg.run_dir}: from step 1")
     first_step = 1 if state is None else state.step + 1
+    pool_state = None if state is None else state.rollout_state
+    if cfg.rollout.mode != "sync" and (pool_state or {}).get("batches") is not None:
+        # Before any server starts: a pool of another lag, batch or clock is refused here.
+        check_pool_state(pool_state, async_pool_config(cfg))
     if first_step > cfg.train.num_steps:
         if state.step == cfg.train.num_steps and not (Path(cfg.run_dir) / "summary.json").exists():
             # Killed after its last run checkpoint, before the HF export and the summary.
@@ -763,17 +783,7 @@ def _lead(
                 tokenizer,
                 rewards,
                 prompts,
-                AsyncPoolConfig(
-                    mode=ro.mode,
-                    lag=ro.lag,
-                    prompts_per_batch=ro.prompts_per_step,
-                    group_size=ro.group_size,
-                    on_update=ro.on_update,
-                    clock_tokens=ro.clock_tokens,
-                    filter_groups=ro.filter_groups,
-                    max_replacements=ro.max_replacement_groups,
-                    dispatch=rollout_dispatch(cfg),
-                ),
+                async_pool_config(cfg),
                 SamplingParams(
                     temperature=ro.temperature,
                     top_p=ro.top_p,
