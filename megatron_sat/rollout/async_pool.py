@@ -195,8 +195,6 @@ def check_pool_state(state: dict, config: AsyncPoolConfig) -> None:
         }
         if saved["mode"] != "bounded":
             saved["lag"] = len(state["batches"])
-    if saved["mode"] != "bounded" and config.mode != "bounded":
-        saved = {**saved, "mode": config.mode}  # fixed-lag states were written without a mode
     differ = [
         f"{field}={saved[name]!r} in the checkpoint, {getattr(config, name)!r} here"
         for name, field in _SHAPE.items()
@@ -617,7 +615,6 @@ class AsyncRolloutPool:
                 return {
                     "mode": "bounded",
                     "config": self._shape(),
-                    "clock_tokens": self.config.clock_tokens,
                     "overlap_left": self._overlap_left,
                     "batches": batches,
                     "queue": queue,
