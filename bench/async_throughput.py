@@ -48,7 +48,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    from megatron_sat.config import TrainConfig
+    from megatron_sat.config import ParallelConfig, TrainConfig
     from megatron_sat.objectives import ObjectiveConfig, compute_grpo_advantages
     from megatron_sat.rollout.async_pool import AsyncPoolConfig, AsyncRolloutPool
     from megatron_sat.rollout.client import RoutingSpec, SamplingParams
@@ -56,7 +56,6 @@ def main() -> None:
     from megatron_sat.rollout.pool import RolloutPool
     from megatron_sat.rollout.rewards import math_reward
     from megatron_sat.rollout.tokenizer import build_char_tokenizer
-    from megatron_sat.training.distributed import ParallelConfig
     from megatron_sat.training.trainer import PolicyTrainer
     from megatron_sat.weight_sync.broadcast import WeightUpdater
 

@@ -24,8 +24,7 @@ def curve(dtype: str, ckpt: Path, steps: int) -> list[float]:
     from megatron.core import parallel_state
     from r3_common import make_samples
 
-    from megatron_sat.config import TrainConfig
-    from megatron_sat.training.distributed import ParallelConfig
+    from megatron_sat.config import ParallelConfig, TrainConfig
     from megatron_sat.training.trainer import PolicyTrainer
 
     if parallel_state.model_parallel_is_initialized():

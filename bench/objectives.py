@@ -139,10 +139,9 @@ def main_job_samples(trainer, tokenizer, seed: int = 0) -> list:
 
 def train_step(steps: int) -> dict[str, float]:
     """Median rl_step time of the main job's model and batch, and the loss on its shape."""
-    from megatron_sat.config import TrainConfig
+    from megatron_sat.config import ParallelConfig, TrainConfig
     from megatron_sat.objectives import ObjectiveConfig, compute_grpo_advantages
     from megatron_sat.rollout.tokenizer import build_char_tokenizer
-    from megatron_sat.training.distributed import ParallelConfig
     from megatron_sat.training.trainer import PolicyTrainer
 
     tokenizer = build_char_tokenizer()

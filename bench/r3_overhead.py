@@ -137,10 +137,11 @@ def main() -> None:
     )
     cuda = torch.cuda.is_available()
 
+    from megatron_sat.config import ParallelConfig
     from megatron_sat.models import build_gpt_model, transformer_config_from_hf
+    from megatron_sat.platform.distributed import init_distributed
     from megatron_sat.routing.replay import RoutingReplay
     from megatron_sat.training.batching import build_micro_batch
-    from megatron_sat.training.distributed import ParallelConfig, init_distributed
     from megatron_sat.training.logprobs import forward_backward
 
     init_distributed(ParallelConfig())

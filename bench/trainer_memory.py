@@ -59,10 +59,9 @@ def _storage_bytes(tensors, seen: set[int]) -> int:
 def worker(ckpt: str) -> None:
     import torch
 
-    from megatron_sat.config import TrainConfig
+    from megatron_sat.config import ParallelConfig, TrainConfig
     from megatron_sat.launch.memory import count_parameters, estimate_memory
     from megatron_sat.rollout.types import Sample
-    from megatron_sat.training.distributed import ParallelConfig
     from megatron_sat.training.optimizer_layout import resolve_optimizer_layout
     from megatron_sat.training.trainer import PolicyTrainer
 

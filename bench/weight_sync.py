@@ -73,7 +73,7 @@ class RawBroadcast:
     """Two processes of a gloo world that time one broadcast of ``nbytes`` per ``seconds()``."""
 
     def __init__(self, nbytes: int) -> None:
-        from megatron_sat.training.distributed import free_port
+        from megatron_sat.platform.distributed import free_port
 
         ctx = mp.get_context("spawn")
         self._out = ctx.Queue()

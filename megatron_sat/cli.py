@@ -149,7 +149,7 @@ def _launch(args: argparse.Namespace) -> int:
 
 
 def _plot(args: argparse.Namespace) -> int:
-    from megatron_sat.training.run_plots import plot_runs
+    from megatron_sat.experiments.plots import plot_runs
 
     try:
         panels = plot_runs(args.run_dirs, args.out)
@@ -161,7 +161,12 @@ def _plot(args: argparse.Namespace) -> int:
 
 
 def _sweep(args: argparse.Namespace) -> int:
-    from megatron_sat.training.sweep import load_grid, render_slurm_array, run_sweep, sweep_report
+    from megatron_sat.experiments.sweep import (
+        load_grid,
+        render_slurm_array,
+        run_sweep,
+        sweep_report,
+    )
 
     try:
         grid = load_grid(args.grid, output_dir=args.output_dir)

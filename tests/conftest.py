@@ -102,7 +102,8 @@ def tiny_hf_config(tiny_checkpoint) -> dict:
 @pytest.fixture(scope="session")
 def megatron_world():
     """torch.distributed (gloo, 1 process) + megatron-core parallel state, once per session."""
-    from megatron_sat.training.distributed import ParallelConfig, init_distributed
+    from megatron_sat.config import ParallelConfig
+    from megatron_sat.platform.distributed import init_distributed
 
     init_distributed(ParallelConfig(), seed=1234)
     yield

@@ -305,7 +305,7 @@ def test_dead_embedded_servers_are_restarted_and_resynced_before_they_serve(
 def test_a_push_aborts_requests_in_flight_which_resume_or_restart(
     tiny_checkpoint, on_update, dispatch
 ):
-    """Bounded mode pushes with pause_mode "abort" (rl.sync_options): requests cut by the push
+    """Bounded mode pushes with pause_mode "abort" (engines.sync_options): requests cut by the push
     come back with finish_reason "abort" and are resumed from their partial output (every token
     keeps the version that produced it: versions 0 then 1 in one response) or restarted from
     the prompt (one version per response), by ``on_update``; per-request dispatch too."""
@@ -313,7 +313,7 @@ def test_a_push_aborts_requests_in_flight_which_resume_or_restart(
     from transformers import AutoTokenizer
 
     from megatron_sat.config import load_config
-    from megatron_sat.training.rl import sync_options
+    from megatron_sat.training.engines import sync_options
 
     cfg = load_config(None, ["rollout.mode=bounded", f"rollout.on_update={on_update}"])
     assert sync_options(cfg, 1)["pause_mode"] == "abort"

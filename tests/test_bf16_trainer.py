@@ -159,8 +159,8 @@ def test_bf16_run_checkpoint_at_dp1_resumes_bit_exact(megatron_world, tiny_check
     from pathlib import Path
 
     from megatron_sat.checkpoint.run_state import load_run_checkpoint, save_run_checkpoint
+    from megatron_sat.config import ParallelConfig
     from megatron_sat.objectives import ObjectiveConfig
-    from megatron_sat.training.distributed import ParallelConfig
     from megatron_sat.training.trainer import PolicyTrainer
 
     sys.path.insert(0, str(Path(__file__).parent / "dist"))
@@ -204,7 +204,7 @@ def test_restore_adam_steps_unshares_and_checks_the_step():
     checkpoint's step; a step that is not a finite number >= 0 is refused."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-    from megatron_sat.training.distrib_optimizer_fix import restore_adam_steps
+    from megatron_sat.platform.distrib_optimizer_fix import restore_adam_steps
 
     class Loaded(DistributedOptimizer):
         def __init__(self, inner):  # only the torch optimizer matters here

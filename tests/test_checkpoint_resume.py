@@ -16,10 +16,9 @@ from megatron_sat.checkpoint.run_state import (
     save_run_checkpoint,
     should_save,
 )
-from megatron_sat.config import TrainConfig
+from megatron_sat.config import ParallelConfig, TrainConfig
 from megatron_sat.objectives import ObjectiveConfig
 from megatron_sat.rollout.types import Sample
-from megatron_sat.training.distributed import ParallelConfig
 from megatron_sat.training.trainer import PolicyTrainer
 
 K = 2  # stop after step K, resume for step K + 1

@@ -28,10 +28,9 @@ from megatron_sat.checkpoint.run_state import (
     save_run_checkpoint,
     set_commit_hook,
 )
-from megatron_sat.config import TrainConfig
-from megatron_sat.launch.plan import check_train_layout
+from megatron_sat.config import ParallelConfig, TrainConfig
+from megatron_sat.config.layout import check_train_layout
 from megatron_sat.rollout.arith import make_arith_splits
-from megatron_sat.training.distributed import ParallelConfig
 from megatron_sat.training.trainer import PolicyTrainer
 
 

@@ -7,8 +7,7 @@ from __future__ import annotations
 import torch
 from test_split_invariance import make_samples
 
-from megatron_sat.config import TrainConfig
-from megatron_sat.training.distributed import ParallelConfig
+from megatron_sat.config import ParallelConfig, TrainConfig
 from megatron_sat.training.logprobs import (
     forward_log_probs,
     forward_log_probs_and_entropy,

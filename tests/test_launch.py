@@ -16,10 +16,11 @@ import yaml
 
 from megatron_sat.cli import main
 from megatron_sat.config import load_config
+from megatron_sat.config.layout import layout_errors
 from megatron_sat.launch.env import resolve_rank_env
 from megatron_sat.launch.eval_job import EvalOptions, eval_metrics, pass_at_k
 from megatron_sat.launch.memory import GIB, count_parameters
-from megatron_sat.launch.plan import _layout_errors, rank_groups, resolve_plan
+from megatron_sat.launch.plan import rank_groups, resolve_plan
 from megatron_sat.launch.prepare import prepare_launch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -303,12 +304,12 @@ def test_wrong_config_fails_naming_the_field(overrides, field, capsys):
 
 
 def test_sequence_parallel_off_with_moe_and_tp_is_an_error():
-    errors = _layout_errors(QWEN3_30B, world=4, tp=4, pp=1, ep=4, etp=1, sp=False)
+    errors = layout_errors(QWEN3_30B, world=4, tp=4, pp=1, ep=4, etp=1, sp=False)
     assert errors == [
         "parallel.sequence_parallel=False with MoE and parallel.tensor_model_parallel_size=4: "
         "megatron-core requires sequence parallelism for MoE with TP > 1"
     ]
-    assert _layout_errors(QWEN3_30B, world=4, tp=4, pp=1, ep=4, etp=1, sp=True) == []
+    assert layout_errors(QWEN3_30B, world=4, tp=4, pp=1, ep=4, etp=1, sp=True) == []
 
 
 # -- renderers --------------------------------------------------------------------------------
@@ -524,7 +525,7 @@ def test_launch_subcommand_prints_the_script_path(tmp_path, capsys):
 
 
 def test_weight_sync_options_follow_the_launch_section():
-    from megatron_sat.launch.sync import weight_sync_options
+    from megatron_sat.weight_sync.options import weight_sync_options
 
     cfg = load_config(RECIPE)
     opts = weight_sync_options(cfg.launch, 1, {"MASTER_ADDR": "node017"})

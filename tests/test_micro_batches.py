@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 import torch
 
+from megatron_sat.config import ParallelConfig
+from megatron_sat.platform.distributed import init_distributed
 from megatron_sat.rollout.types import Sample
 from megatron_sat.training.batching import build_micro_batch
 from megatron_sat.training.context_parallel import (
@@ -21,7 +23,6 @@ from megatron_sat.training.context_parallel import (
     slice_context_parallel,
     slice_micro_batch_context_parallel,
 )
-from megatron_sat.training.distributed import ParallelConfig, init_distributed
 from megatron_sat.training.micro_batches import (
     fixed_count_micro_batches,
     padded_length,

@@ -33,9 +33,8 @@ from test_trainer_parallel import (
     max_abs_diff,
 )
 
-from megatron_sat.config import TrainConfig
+from megatron_sat.config import ParallelConfig, TrainConfig
 from megatron_sat.objectives import ObjectiveConfig, compute_grpo_advantages
-from megatron_sat.training.distributed import ParallelConfig
 from megatron_sat.training.trainer import PolicyTrainer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -312,10 +311,11 @@ def test_rl_loop_at_pp2_pushes_every_stage(rl_run):
 
 @pytest.mark.slow
 def test_rl_loop_at_pp2_each_stage_sends_its_own_layers(rl_run):
-    """The RL loop at PP2 pushes with one sender per stage (``rl.uses_stage_senders``): rank 0
-    exports (and sends) stage 0's layers only and never gathers stage 1's; rank 1 exports
-    stage 1's; together they are exactly the saved checkpoint's tensors, at every push (the
-    initial one and one after each of the 3 steps). The parity test above shows they arrived."""
+    """The RL loop at PP2 pushes with one sender per stage
+    (``stage_senders.uses_stage_senders``): rank 0 exports (and sends) stage 0's layers only
+    and never gathers stage 1's; rank 1 exports stage 1's; together they are exactly the saved
+    checkpoint's tensors, at every push (the initial one and one after each of the 3 steps).
+    The parity test above shows they arrived."""
     import json
 
     from safetensors import safe_open

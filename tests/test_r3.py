@@ -9,7 +9,7 @@ import torch
 from dist.r3_common import make_samples
 from transformers import AutoModelForCausalLM
 
-from megatron_sat.config import TrainConfig
+from megatron_sat.config import ParallelConfig, TrainConfig
 from megatron_sat.models import build_gpt_model, transformer_config_from_hf
 from megatron_sat.rollout.types import Sample
 from megatron_sat.routing.payload import (
@@ -26,7 +26,6 @@ from megatron_sat.routing.replay import (
 )
 from megatron_sat.routing.slicing import moe_layer_numbers, router_targets
 from megatron_sat.training.batching import build_micro_batch, check_sample_routes, filler_routes
-from megatron_sat.training.distributed import ParallelConfig
 from megatron_sat.training.logprobs import forward_backward, forward_log_probs, routing_agreement
 from megatron_sat.training.trainer import PolicyTrainer
 

@@ -13,9 +13,8 @@ import pytest
 import torch
 from test_split_invariance import attach_rollout_log_probs, make_samples
 
-from megatron_sat.config import TrainConfig
+from megatron_sat.config import ParallelConfig, TrainConfig
 from megatron_sat.objectives import ObjectiveConfig
-from megatron_sat.training.distributed import ParallelConfig
 from megatron_sat.training.trainer import PolicyTrainer
 
 

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from megatron_sat.rollout.client import SGLangClient
-from megatron_sat.training import rl
+from megatron_sat.training import stage_senders as rl
 
 
 def run_config(pp: int, engine: str) -> SimpleNamespace:
@@ -40,7 +40,7 @@ def test_stage_zero_updater_refuses_real_tensors():
     """The fleet must hand it the marker: a caller passing tensors would otherwise have them
     silently ignored (every stage exports its own)."""
     followers = SimpleNamespace(active=False, tell=None, idle=None)
-    updater = rl._StageZeroUpdater(followers, None, [SGLangClient("http://127.0.0.1:1")])
+    updater = rl.StageZeroUpdater(followers, None, [SGLangClient("http://127.0.0.1:1")])
     with pytest.raises(TypeError, match="each stage exports its own layers"):
         updater.update(iter([("w", None)]), "1")
     updater.close()

@@ -12,9 +12,8 @@ import pytest
 import torch
 from test_split_invariance import make_samples
 
-from megatron_sat.config import TrainConfig
+from megatron_sat.config import ParallelConfig, TrainConfig
 from megatron_sat.objectives import ObjectiveConfig
-from megatron_sat.training.distributed import ParallelConfig
 from megatron_sat.training.rl import routing_diagnostic_due
 from megatron_sat.training.trainer import PolicyTrainer
 

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from megatron_sat.cli import main
-from megatron_sat.training.run_plots import plot_runs
+from megatron_sat.experiments.plots import plot_runs
 
 
 def write_run(path, rows):

@@ -15,7 +15,7 @@ import pytest
 import torch
 from conftest import run_torchrun
 
-from megatron_sat.config import TrainConfig, load_config
+from megatron_sat.config import ParallelConfig, TrainConfig, load_config
 from megatron_sat.objectives import (
     ObjectiveConfig,
     compute_grpo_advantages,
@@ -24,7 +24,6 @@ from megatron_sat.objectives import (
 )
 from megatron_sat.rollout.arith import make_arith_splits
 from megatron_sat.rollout.types import Sample
-from megatron_sat.training.distributed import ParallelConfig
 from megatron_sat.training.micro_batches import token_budget_micro_batches
 from megatron_sat.training.trainer import PolicyTrainer
 

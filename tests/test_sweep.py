@@ -9,8 +9,8 @@ import pytest
 import yaml
 
 from megatron_sat.cli import main
+from megatron_sat.experiments.sweep import cell_stats, load_grid, render_slurm_array, run_sweep
 from megatron_sat.rollout.arith import make_arith_splits
-from megatron_sat.training.sweep import cell_stats, load_grid, render_slurm_array, run_sweep
 
 
 def _grid(tmp_path, tiny_checkpoint) -> str:
@@ -176,7 +176,7 @@ def test_jobs_run_cells_at_once_and_keep_the_order(tmp_path, tiny_checkpoint):
 
 
 def test_r3_note_pairs_live_and_replayed_by_hand(tmp_path, tiny_checkpoint):
-    from megatron_sat.training.sweep import r3_notes
+    from megatron_sat.experiments.sweep import r3_notes
 
     grid = load_grid(_grid(tmp_path, tiny_checkpoint))
     rows = [
@@ -237,7 +237,7 @@ def test_grid_file_must_be_a_mapping(tmp_path):
 
 def test_report_names_the_cell_without_evaluations(tmp_path, tiny_checkpoint):
     # a finished cell whose run never evaluated (train.eval_every=0): the error names it
-    from megatron_sat.training.sweep import sweep_report
+    from megatron_sat.experiments.sweep import sweep_report
 
     grid = load_grid(_grid(tmp_path, tiny_checkpoint))
     cell = grid.cells[1]

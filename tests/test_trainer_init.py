@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_sat.config import TrainConfig
-from megatron_sat.training.distributed import ParallelConfig
+from megatron_sat.config import ParallelConfig, TrainConfig
 from megatron_sat.training.trainer import PolicyTrainer
 
 

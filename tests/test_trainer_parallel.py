@@ -18,10 +18,9 @@ import pytest
 import torch
 from conftest import run_torchrun
 
-from megatron_sat.config import TrainConfig
+from megatron_sat.config import ParallelConfig, TrainConfig
 from megatron_sat.objectives import ObjectiveConfig, compute_grpo_advantages
 from megatron_sat.rollout.types import Sample
-from megatron_sat.training.distributed import ParallelConfig
 from megatron_sat.training.trainer import PolicyTrainer
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from megatron_sat.config import TrainConfig, load_config
+from megatron_sat.config import ParallelConfig, TrainConfig, load_config
 from megatron_sat.objectives import ObjectiveConfig, compute_grpo_advantages
 from megatron_sat.rollout.arith import make_arith_splits
 from megatron_sat.rollout.client import RoutingSpec, SamplingParams, SGLangClient
@@ -17,7 +17,6 @@ from megatron_sat.rollout.datasets import PromptRecord
 from megatron_sat.rollout.embedded.launch import EmbeddedServer
 from megatron_sat.rollout.pool import RolloutPool
 from megatron_sat.training.batching import build_micro_batch
-from megatron_sat.training.distributed import ParallelConfig
 from megatron_sat.training.logprobs import forward_log_probs
 from megatron_sat.training.trainer import PolicyTrainer
 from megatron_sat.weight_sync.broadcast import WeightUpdater

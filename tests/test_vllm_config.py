@@ -13,7 +13,8 @@ from megatron_sat.rollout.fleet import RolloutFleet
 from megatron_sat.rollout.vllm.client import VLLMClient
 from megatron_sat.rollout.vllm.fleet import VLLMFleet
 from megatron_sat.rollout.vllm.updater import VLLMWeightUpdater, layer_buckets, layer_key
-from megatron_sat.training.rl import rollout_fleet, validate_run
+from megatron_sat.training.engines import rollout_fleet
+from megatron_sat.training.rl import validate_run
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -61,8 +61,7 @@ def server(checkpoint, tmp_path_factory):
 @pytest.fixture(scope="module")
 def trainer(checkpoint):
     from megatron_sat.checkpoint.hf_io import read_hf_config
-    from megatron_sat.config import TrainConfig
-    from megatron_sat.training.distributed import ParallelConfig
+    from megatron_sat.config import ParallelConfig, TrainConfig
     from megatron_sat.training.trainer import PolicyTrainer
 
     return PolicyTrainer(

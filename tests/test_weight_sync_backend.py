@@ -66,7 +66,7 @@ def test_sync_options_take_the_platform_decision(monkeypatch, trainer, overrides
     import torch
 
     from megatron_sat.config import load_config
-    from megatron_sat.training import rl
+    from megatron_sat.training import engines as rl
 
     monkeypatch.setattr(rl, "get_device", lambda: torch.device(trainer))
     assert rl.sync_options(load_config(None, overrides), 1)["backend"] == expected

@@ -43,7 +43,8 @@ from megatron_sat.checkpoint.hf_io import (
 )
 from megatron_sat.checkpoint.hf_map import format_names
 from megatron_sat.checkpoint.sharding import load_hf_tensors
-from megatron_sat.training.distributed import ParallelConfig, init_distributed
+from megatron_sat.config import ParallelConfig
+from megatron_sat.platform.distributed import init_distributed
 
 TOKENIZER_SUBDIR = "tokenizer"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -291,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
             )
     finally:
         if owns_world and dist.is_initialized():
-            from megatron_sat.training.distributed import destroy_distributed
+            from megatron_sat.platform.distributed import destroy_distributed
 
             destroy_distributed()
     return 0

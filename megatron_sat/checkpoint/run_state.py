@@ -213,7 +213,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 def _sharded_state(model, optimizer, *, is_loading: bool) -> dict[str, Any]:
     if is_loading:  # a fresh distributed optimizer has no states to describe yet
-        from megatron_sat.training.distrib_optimizer_fix import init_states_for_loading
+        from megatron_sat.platform.distrib_optimizer_fix import init_states_for_loading
 
         init_states_for_loading(optimizer)
     model_sd = model_sharded_state_dict(model)
@@ -372,7 +372,7 @@ def load_run_checkpoint(
     unwrap(model).load_state_dict(loaded["model"], strict=True)
     with torch.no_grad():  # the distributed optimizer copies into its leaf main params
         optimizer.load_state_dict(loaded["optimizer"])
-    from megatron_sat.training.distrib_optimizer_fix import restore_adam_steps
+    from megatron_sat.platform.distrib_optimizer_fix import restore_adam_steps
 
     restore_adam_steps(optimizer, loaded["optimizer"])  # megatron-core 0.19 loses Adam's step
     if load_rng:

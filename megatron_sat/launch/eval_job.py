@@ -123,7 +123,7 @@ def run_eval(cfg, opts: EvalOptions) -> dict[str, float]:
     from megatron_sat.rollout.datasets import load_prompt_dataset
     from megatron_sat.rollout.pool import RolloutPool
     from megatron_sat.rollout.rewards import math_reward
-    from megatron_sat.training.rl import rollout_clients
+    from megatron_sat.training.engines import rollout_clients
     from megatron_sat.weight_sync.broadcast import WeightUpdater
 
     checkpoint = opts.checkpoint or cfg.init_checkpoint

@@ -4,11 +4,11 @@ The HF ``architectures`` name selects the family (:mod:`megatron_sat.models.regi
 Qwen3-MoE, Mixtral, Qwen2-MoE, DeepSeek-V3.
 """
 
-from megatron_sat.models.qwen3_moe import hf_rope_theta
 from megatron_sat.models.registry import (
     ARCHITECTURES,
     architecture_of,
     build_gpt_model,
+    hf_rope_theta,
     transformer_config_from_hf,
 )
 

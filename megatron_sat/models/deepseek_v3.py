@@ -20,10 +20,10 @@ import functools
 from collections.abc import Mapping
 from typing import Any
 
-from megatron_sat.models.qwen3_moe import hf_rope_theta
 from megatron_sat.models.registry import (
     ModelLayout,
     common_transformer_kwargs,
+    hf_rope_theta,
     moe_layer_freq,
     require,
 )

@@ -17,23 +17,6 @@ from megatron_sat.models.registry import ModelLayout, common_transformer_kwargs,
 SUPPORTED_ARCHITECTURES = ("Qwen3MoeForCausalLM",)
 
 
-def hf_rope_theta(hf_config: Mapping[str, Any]) -> float:
-    """RoPE base from ``rope_parameters.rope_theta`` (transformers 5) or top-level ``rope_theta``.
-
-    Raises:
-        ValueError: when neither is present, or the RoPE type is not ``default`` (scaled RoPE
-            variants are not mapped yet).
-    """
-    params = hf_config.get("rope_parameters") or hf_config.get("rope_scaling") or {}
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type != "default":
-        raise ValueError(f"rope_parameters.rope_type={rope_type!r} is not supported (only default)")
-    theta = params.get("rope_theta", hf_config.get("rope_theta"))
-    if theta is None:
-        raise ValueError("config.json has neither rope_parameters.rope_theta nor rope_theta")
-    return float(theta)
-
-
 def num_experts_of(hf_config: Mapping[str, Any]) -> int:
     """Routed-expert count: ``num_experts`` (transformers 4) or ``num_local_experts`` (5)."""
     for key in ("num_experts", "num_local_experts"):

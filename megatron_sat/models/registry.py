@@ -105,6 +105,23 @@ def transformer_config_from_hf(
     return family_module(hf_config).transformer_config(hf_config, layout, **kwargs)
 
 
+def hf_rope_theta(hf_config: Mapping[str, Any]) -> float:
+    """RoPE base from ``rope_parameters.rope_theta`` (transformers 5) or top-level ``rope_theta``.
+
+    Raises:
+        ValueError: when neither is present, or the RoPE type is not ``default`` (scaled RoPE
+            variants are not mapped yet).
+    """
+    params = hf_config.get("rope_parameters") or hf_config.get("rope_scaling") or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type != "default":
+        raise ValueError(f"rope_parameters.rope_type={rope_type!r} is not supported (only default)")
+    theta = params.get("rope_theta", hf_config.get("rope_theta"))
+    if theta is None:
+        raise ValueError("config.json has neither rope_parameters.rope_theta nor rope_theta")
+    return float(theta)
+
+
 def build_gpt_model(hf_config: Mapping[str, Any], config, **kwargs: Any):
     """Build this rank's megatron-core ``GPTModel`` for ``hf_config`` (dispatch by architecture).
 
@@ -252,12 +269,10 @@ def build_generic_gpt_model(
     The transformer-engine layer spec when TE is usable (CUDA + TE installed), the local spec
     otherwise; ``spec_hook(block_spec, use_transformer_engine)`` may return an adjusted block
     spec (the family's extension point). RoPE's base comes from config.json
-    (:func:`megatron_sat.models.qwen3_moe.hf_rope_theta`; MLA reads ``config.rotary_base``).
+    (:func:`hf_rope_theta`; MLA reads ``config.rotary_base``).
     """
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-
-    from megatron_sat.models.qwen3_moe import hf_rope_theta
 
     if use_transformer_engine is None:
         use_transformer_engine = have_transformer_engine()

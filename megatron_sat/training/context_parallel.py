@@ -20,7 +20,7 @@ sequence order, so the losses read the whole sample layout.
 
 Attention across CP ranks (ring attention with causal masking) is transformer-engine's
 (``TEDotProductAttention`` with ``cp_comm_type``); megatron-core's local attention refuses CP,
-so a CPU run with CP > 1 is refused (``training.distributed.init_distributed``).
+so a CPU run with CP > 1 is refused (``platform.distributed.init_distributed``).
 """
 
 from __future__ import annotations

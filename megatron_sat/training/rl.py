@@ -25,16 +25,13 @@ are newer than the dead servers' ones: the samples record the version they reall
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 import os
 import random
-import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -51,61 +48,27 @@ from megatron_sat.checkpoint.run_state import (
     should_save,
 )
 from megatron_sat.config import RunConfig
-from megatron_sat.launch.sync import weight_sync_options
 from megatron_sat.objectives import compute_grpo_advantages
-from megatron_sat.platform.device import get_device, weight_sync_backend
 from megatron_sat.rollout.async_pool import AsyncPoolConfig, AsyncRolloutPool, check_pool_state
-from megatron_sat.rollout.auth import ServerKeys, load_server_keys
-from megatron_sat.rollout.client import RoutingSpec, SamplingParams, SGLangClient
+from megatron_sat.rollout.client import RoutingSpec, SamplingParams
 from megatron_sat.rollout.datasets import PromptRecord, load_prompt_dataset
-from megatron_sat.rollout.embedded.launch import EmbeddedServer
-from megatron_sat.rollout.fleet import PushReport, RolloutFleet, sync_servers
+from megatron_sat.rollout.fleet import PushReport, sync_servers
 from megatron_sat.rollout.meter import ServerMeter, server_metrics
 from megatron_sat.rollout.pool import NoLiveServer, RolloutPool, informative_batch
 from megatron_sat.rollout.rewards import RewardWorkers
 from megatron_sat.rollout.seeds import request_seed
 from megatron_sat.rollout.types import Sample, staleness
 from megatron_sat.training.batch_transfer import distribute_batch
+from megatron_sat.training.engines import rollout_fleet
 from megatron_sat.training.evaluate import evaluate
 from megatron_sat.training.run_logger import RunLogger
-from megatron_sat.training.trainer import PolicyTrainer
-from megatron_sat.weight_sync.broadcast import UpdateStats, WeightSyncError, WeightUpdater
-from megatron_sat.weight_sync.megatron_push import (
-    connect_in_stage_order,
-    is_stage_sender,
-    push_megatron_weights,
+from megatron_sat.training.stage_senders import (
+    STAGE_EXPORT,
+    StageSender,
+    StageZeroUpdater,
+    uses_stage_senders,
 )
-
-
-def server_keys(cfg: RunConfig) -> ServerKeys | None:
-    """The keys of ``rollout.server_key_file`` (None without one); raises ValueError naming
-    the file when it is readable by others (see ``load_server_keys``)."""
-    path = cfg.rollout.server_key_file
-    return None if path is None else load_server_keys(path)
-
-
-@contextlib.contextmanager
-def rollout_clients(cfg: RunConfig) -> Iterator[list[SGLangClient]]:
-    """Clients of the configured servers, starting embedded CPU servers when no URL is given."""
-    if cfg.rollout.server_urls:
-        keys = server_keys(cfg)
-        clients = [SGLangClient(url, keys=keys) for url in cfg.rollout.server_urls]
-        yield clients
-        return
-    with contextlib.ExitStack() as stack:
-        servers = [
-            stack.enter_context(
-                EmbeddedServer(
-                    cfg.init_checkpoint,
-                    random_seed=cfg.train.seed + i,
-                    dtype=cfg.rollout.dtype,
-                    enable_return_routed_experts=True,
-                    max_running_requests=cfg.rollout.prompts_per_step * cfg.rollout.group_size,
-                )
-            )
-            for i in range(cfg.rollout.num_embedded_servers)
-        ]
-        yield [SGLangClient(server.url) for server in servers]
+from megatron_sat.training.trainer import PolicyTrainer
 
 
 def rollout_dispatch(cfg: RunConfig) -> str:
@@ -135,39 +98,6 @@ def async_pool_config(cfg: RunConfig) -> AsyncPoolConfig:
         filter_groups=ro.filter_groups,
         max_replacements=ro.max_replacement_groups,
         dispatch=rollout_dispatch(cfg),
-    )
-
-
-def rollout_fleet(cfg: RunConfig) -> RolloutFleet:
-    """The configured servers as a fleet (``rollout.fleet``): the SGLang (with
-    ``rollout.engine=vllm``: vLLM, ``rollout.vllm.fleet``) servers of ``rollout.server_urls``
-    (reported, never restarted, when they die), else
-    ``rollout.num_embedded_servers`` embedded CPU servers started here (restarted when they
-    die). Use it as a context manager: it stops the servers it started."""
-    options = sync_options(cfg, len(cfg.rollout.server_urls) or cfg.rollout.num_embedded_servers)
-    if cfg.rollout.engine == "vllm":
-        from megatron_sat.rollout.vllm.fleet import VLLMFleet
-
-        keys = server_keys(cfg)  # vLLM has one key level: its --api-key (VLLM_API_KEY)
-        return VLLMFleet.from_urls(
-            cfg.rollout.server_urls,
-            api_key=None if keys is None else keys.api_key,
-            updater_options=options,
-        )
-    if cfg.rollout.server_urls:
-        return RolloutFleet.from_urls(
-            cfg.rollout.server_urls, keys=server_keys(cfg), updater_options=options
-        )
-    return RolloutFleet.embedded(
-        cfg.init_checkpoint,
-        cfg.rollout.num_embedded_servers,
-        server_options=lambda i: {
-            "random_seed": cfg.train.seed + i,
-            "dtype": cfg.rollout.dtype,
-            "enable_return_routed_experts": True,
-            "max_running_requests": cfg.rollout.prompts_per_step * cfg.rollout.group_size,
-        },
-        updater_options=options,
     )
 
 
@@ -343,7 +273,7 @@ class _Followers:
         Raises:
             RuntimeError: when rank 0 aborts.
         """
-        stage = _StageSender(trainer)  # PP > 1: this rank's part of every stage push
+        stage = StageSender(trainer)  # PP > 1: this rank's part of every stage push
         while True:
             message: list = [None, None]
             dist.broadcast_object_list(message, src=0)
@@ -363,7 +293,7 @@ class _Followers:
                     pass
             elif command == "save":
                 save_if_due(cfg, trainer, arg, version=None, initial=None)
-            elif command in _StageSender.COMMANDS:
+            elif command in StageSender.COMMANDS:
                 stage.handle(command, arg)
             elif command == "done":
                 stage.close()
@@ -371,199 +301,6 @@ class _Followers:
             else:
                 stage.close()
                 raise RuntimeError(f"rank 0 ended the run ({command}); see its log")
-
-
-def uses_stage_senders(cfg: RunConfig) -> bool:
-    """Whether the run's weight push has one sender per pipeline stage
-    (``weight_sync.megatron_push``, as slime): at PP > 1 with SGLang servers (embedded or by
-    URL) each stage's sender rank (``is_stage_sender``) sends its own layers over its own
-    group, so no rank gathers the other stages' layers. vLLM's updater has no per-stage
-    protocol here: a vLLM run at PP > 1 pushes rank 0's gathered export, as at PP = 1."""
-    return cfg.parallel.pipeline_model_parallel_size > 1 and cfg.rollout.engine == "sglang"
-
-
-class _StageExport:
-    """What the fleet hands ``_StageZeroUpdater.update`` as its tensors: nothing to read,
-    every stage exports its own layers inside ``push_megatron_weights``."""
-
-
-_STAGE_EXPORT = _StageExport()
-
-
-class _StageZeroUpdater(WeightUpdater):
-    """Global rank 0's updater (stage 0's sender) as the fleet's ``updater_cls`` when
-    ``uses_stage_senders``. The fleet keeps its part (health probes, restarts, regrouping), and
-    each of its calls becomes the collective of every trainer rank (``_Followers``):
-
-    - ``connect``: the followers get the members (URL, client timeout and keys: pickled in
-      memory, never logged) and this updater's options; each later stage's sender builds its
-      own ``WeightUpdater`` (its own group name; its own address as the servers see it) and
-      the senders connect one stage after another (``connect_in_stage_order``). The fleet
-      regroups after every change of membership (a server restarted or dropped), so the
-      stage senders reconnect to the new server set then.
-    - ``update``: ``push_megatron_weights`` on every rank: this rank pauses the servers,
-      begins, sends stage 0's layers, ends and continues; each later stage's sender sends its
-      own layers in stage order. Returns this rank's (stage 0's) ``UpdateStats``.
-    - ``close``: every stage sender closes its group (skipped when the followers are done --
-      they closed theirs -- or inside a collective: the run is then ending).
-    """
-
-    def __init__(self, followers: _Followers, trainer: PolicyTrainer, clients, **options) -> None:
-        super().__init__(clients, **options)
-        self.followers, self.trainer = followers, trainer
-
-    def connect(self) -> None:
-        """Connect every stage sender (see the class docstring).
-
-        Raises:
-            WeightSyncError: naming every rank that failed to connect (on any rank).
-        """
-        self.followers.tell(
-            "stage_connect",
-            {
-                "servers": [(c.base_url, c.timeout_s, c.keys) for c in self.clients],
-                "ranks_per_server": self.ranks_per_server,
-                "host": socket.gethostname(),
-                "master_address": self.master_address,
-                "options": {
-                    "backend": self.backend,
-                    "bucket_bytes": self.bucket_bytes,
-                    "pause_mode": self.pause_mode,
-                    "timeout_s": self.timeout_s,
-                    "flatten_buckets": self.flatten_buckets,
-                    "unpacked_from_bytes": self.unpacked_from_bytes,
-                },
-            },
-        )
-        try:
-            failures = _connect_stage_senders(lambda: WeightUpdater.connect(self))
-        finally:
-            self.followers.idle()  # _connect_stage_senders ends in a collective on every rank
-        if failures:
-            raise WeightSyncError("stage senders failed to connect:\n" + "\n".join(failures))
-
-    def update(self, named_tensors, weight_version: str) -> UpdateStats:
-        """One push from every stage (``push_megatron_weights``); ``named_tensors`` must be
-        ``_STAGE_EXPORT``.
-
-        Raises:
-            TypeError: for any other ``named_tensors`` (a caller passing real tensors).
-            WeightSyncError: as ``push_megatron_weights``.
-        """
-        if named_tensors is not _STAGE_EXPORT:
-            raise TypeError(
-                "at PP > 1 each stage exports its own layers: pass the fleet _STAGE_EXPORT, "
-                f"got {type(named_tensors).__name__}"
-            )
-        self.followers.tell("stage_push", weight_version)
-        try:
-            model, hf_config = self.trainer.model, self.trainer.hf_config
-            return push_megatron_weights(model, hf_config, self, weight_version)
-        finally:
-            # It ends in an all-gather of every rank's error, failed or not.
-            self.followers.idle()
-
-    def close(self) -> None:
-        if self.followers.active and self.followers.can_abort():
-            self.followers.tell("stage_close")
-        super().close()
-
-
-class _StageSender:
-    """A follower's part of ``_StageZeroUpdater``'s collectives, and its own updater when it
-    is a later stage's sender (``is_stage_sender``; None on the other followers)."""
-
-    COMMANDS = ("stage_connect", "stage_push", "stage_close")
-
-    def __init__(self, trainer: PolicyTrainer) -> None:
-        self.trainer = trainer
-        self.updater: WeightUpdater | None = None
-
-    def handle(self, command: str, arg) -> None:
-        if command == "stage_connect":
-            self.close()  # the fleet regroups: a new server set, new groups
-            connect = None
-            if is_stage_sender():
-                try:
-                    address = stage_master_address(arg["host"], arg["master_address"])
-                    clients = [SGLangClient(u, t, keys=k) for u, t, k in arg["servers"]]
-                    self.updater = WeightUpdater(
-                        clients,
-                        master_address=address,
-                        ranks_per_server=arg["ranks_per_server"],
-                        **arg["options"],
-                    )
-                    connect = self.updater.connect
-                except Exception as e:  # reported by rank 0, after the same collectives
-                    connect = functools.partial(_reraise, e)
-            _connect_stage_senders(connect)
-        elif command == "stage_push":
-            try:
-                model, hf_config = self.trainer.model, self.trainer.hf_config
-                push_megatron_weights(model, hf_config, self.updater, arg)
-            except Exception as e:  # every rank raised; rank 0 retries or ends the run
-                print(f"megatron-sat: rank {dist.get_rank()}: push {arg!r} failed: {e}")
-        else:
-            self.close()
-
-    def close(self) -> None:
-        updater, self.updater = self.updater, None
-        if updater is None:
-            return
-        try:
-            updater.close()
-        except WeightSyncError as e:  # a dead server cannot destroy its side; ours is released
-            print(f"megatron-sat: rank {dist.get_rank()}: closing its weight group: {e}")
-        for client in updater.clients:
-            client.close()
-
-
-def _reraise(error: Exception) -> None:
-    raise error
-
-
-def _connect_stage_senders(connect: Callable[[], None] | None) -> list[str]:
-    """``connect()`` on this rank (None: not a stage sender) in stage order
-    (``connect_in_stage_order``), a failure caught so that every rank reaches the same
-    collectives. A collective on the world group; returns every failed rank's message
-    ("rank r: ..."), the same list on every rank."""
-    failure = None
-
-    def guarded() -> None:
-        nonlocal failure
-        try:
-            connect()
-        except Exception as e:
-            failure = f"{type(e).__name__}: {e}"
-
-    connect_in_stage_order(None if connect is None else SimpleNamespace(connect=guarded))
-    failures: list = [None] * dist.get_world_size()
-    dist.all_gather_object(failures, failure)
-    return [f"rank {r}: {m}" for r, m in enumerate(failures) if m is not None]
-
-
-def stage_master_address(rank0_host: str, rank0_address: str) -> str:
-    """This rank's address as the rollout servers see it, for its stage's group (whose
-    TCPStore it hosts): rank 0's ``master_address`` on rank 0's host (``socket.gethostname``
-    equal); on another node the address of the interface that routes to rank 0's address
-    (a UDP ``connect`` sends nothing, it only picks the route).
-
-    Raises:
-        ValueError: on another node when that address is a loopback one (rank 0's address
-            then does not reach across nodes: set ``MASTER_ADDR``).
-    """
-    if socket.gethostname() == rank0_host:
-        return rank0_address
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        probe.connect((rank0_address, 1))
-        address = probe.getsockname()[0]
-    if address.startswith("127."):
-        raise ValueError(
-            f"this stage sender is on host {socket.gethostname()!r}, rank 0 on {rank0_host!r}, "
-            f"but rank 0's weight-sync address {rank0_address!r} is loopback: set MASTER_ADDR "
-            "to an address the other nodes reach"
-        )
-    return address
 
 
 def check_prompt_lengths(
@@ -600,7 +337,7 @@ def validate_run(cfg: RunConfig, world: int | None = None) -> None:
         ValueError: naming the config field (layout, rollout.engine=vllm without
             rollout.server_urls) or the dataset row (length).
     """
-    from megatron_sat.launch.plan import check_train_layout
+    from megatron_sat.config.layout import check_train_layout
 
     if cfg.rollout.engine == "vllm" and not cfg.rollout.server_urls:
         raise ValueError(
@@ -767,8 +504,8 @@ def _lead(
         version = 0 if state is None else state.weight_version
         tensors = followers.hf_tensors  # rank 0 sends the gathered export
         if uses_stage_senders(cfg):  # each pipeline stage sends its own layers
-            fleet.updater_cls = functools.partial(_StageZeroUpdater, followers, trainer)
-            tensors = lambda: _STAGE_EXPORT  # noqa: E731
+            fleet.updater_cls = functools.partial(StageZeroUpdater, followers, trainer)
+            tensors = lambda: STAGE_EXPORT  # noqa: E731
         # Start from identical weights on both sides, tagged with the trainer's version.
         try:  # through sync_servers like every push: a server restarted here reaches the pool
             sync_servers(fleet, pools, tensors, version)
@@ -990,26 +727,6 @@ def _lead(
         logger.write_summary(summary)
     print(json.dumps(summary, indent=2))
     return summary
-
-
-def sync_options(cfg: RunConfig, num_servers: int) -> dict:
-    """WeightUpdater options: SGLang servers given by URL join with their TP ranks over the
-    backend the platform decides (``platform.weight_sync_backend``: NCCL when the trainer and
-    the servers, ``launch.device``, are on CUDA; ``rollout.weight_sync_backend`` overrides
-    it); embedded servers run on the CPU, one gloo rank each. Bounded
-    mode pauses with "abort", so requests in flight at a push come back partial and the pool
-    resumes or restarts them (``rollout.on_update``); in the other modes nothing is in flight
-    at a push and "retract" lets a stray request finish."""
-    options = weight_sync_options(cfg.launch, num_servers, os.environ)
-    server_device = cfg.launch.device  # servers given by URL run where the launch put them
-    if not cfg.rollout.server_urls:
-        options.update(ranks_per_server=[1] * num_servers)
-        server_device = "cpu"  # the embedded engine has no CUDA path
-    options["backend"] = weight_sync_backend(
-        get_device().type, server_device, cfg.rollout.weight_sync_backend
-    )
-    options["pause_mode"] = "abort" if cfg.rollout.mode == "bounded" else "retract"
-    return options
 
 
 def routing_diagnostic_due(interval: int, step: int) -> bool:

@@ -15,7 +15,7 @@ from megatron_sat.checkpoint.hf_io import (
     load_hf_into_model,
     save_model_as_hf,
 )
-from megatron_sat.config import TrainConfig
+from megatron_sat.config import ParallelConfig, TrainConfig
 from megatron_sat.models import build_gpt_model, transformer_config_from_hf
 from megatron_sat.models.registry import keep_router_fp32
 from megatron_sat.objectives import (
@@ -28,12 +28,12 @@ from megatron_sat.objectives import (
     sat_abs_staleness,
 )
 from megatron_sat.platform import PARAMS_DTYPES, get_device, have_transformer_engine, to_device
+from megatron_sat.platform.distrib_optimizer_fix import realign_param_group_index_map
+from megatron_sat.platform.distributed import init_distributed
 from megatron_sat.rollout.types import Sample, staleness
 from megatron_sat.routing.replay import RoutingReplay, capture_routing
 from megatron_sat.routing.slicing import moe_layer_numbers, router_token_order
 from megatron_sat.training.batching import MicroBatch, build_micro_batch
-from megatron_sat.training.distrib_optimizer_fix import realign_param_group_index_map
-from megatron_sat.training.distributed import ParallelConfig, init_distributed
 from megatron_sat.training.logprobs import (
     forward_log_probs,
     forward_log_probs_and_entropy,

@@ -10,11 +10,10 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from megatron_sat.config import TrainConfig
+from megatron_sat.config import ParallelConfig, TrainConfig
 from megatron_sat.rollout.datasets import PromptRecord, load_prompt_dataset
 from megatron_sat.rollout.tokenizer import build_char_tokenizer
 from megatron_sat.rollout.types import Sample
-from megatron_sat.training.distributed import ParallelConfig
 from megatron_sat.training.trainer import PolicyTrainer
 
 

@@ -64,7 +64,7 @@ def main(checkpoint: str, out_dir: str) -> None:
     from megatron_sat.checkpoint.run_state import load_run_checkpoint, save_run_checkpoint
     from megatron_sat.config import TrainConfig
     from megatron_sat.objectives import ObjectiveConfig
-    from megatron_sat.training.distributed import ParallelConfig
+    from megatron_sat.config import ParallelConfig
     from megatron_sat.training.trainer import PolicyTrainer
 
     hf = json.loads((Path(checkpoint) / "config.json").read_text())

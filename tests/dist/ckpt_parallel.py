@@ -41,7 +41,8 @@ from megatron_sat.checkpoint.hf_io import (  # noqa: E402
     read_hf_tensors,
 )
 from megatron_sat.checkpoint.tiny_models import TINY_CONFIGS, make_tiny_hf_model  # noqa: E402
-from megatron_sat.training.distributed import ParallelConfig, init_distributed  # noqa: E402
+from megatron_sat.config import ParallelConfig  # noqa: E402
+from megatron_sat.platform.distributed import init_distributed  # noqa: E402
 
 LAYOUTS = {
     "tp2": ParallelConfig(2, 1, 1),

@@ -52,7 +52,7 @@ def run_case(spec: dict, case: dict, out_dir: str) -> dict:
     from megatron_sat.checkpoint.run_state import load_run_checkpoint, save_run_checkpoint
     from megatron_sat.config import TrainConfig
     from megatron_sat.objectives import ObjectiveConfig
-    from megatron_sat.training.distributed import ParallelConfig
+    from megatron_sat.config import ParallelConfig
     from megatron_sat.training.trainer import PolicyTrainer
 
     start = time.perf_counter()

@@ -33,7 +33,8 @@ def set_parallel(tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None, 
     (``etp`` None: megatron-core's default, the TP size)."""
     from megatron.core import parallel_state
 
-    from megatron_sat.training.distributed import ParallelConfig, init_distributed
+    from megatron_sat.config import ParallelConfig
+    from megatron_sat.platform.distributed import init_distributed
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()

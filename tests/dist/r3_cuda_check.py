@@ -25,7 +25,8 @@ def main() -> None:
     from megatron_sat.models import build_gpt_model, transformer_config_from_hf
     from megatron_sat.platform import apply_cpu_shims
     from megatron_sat.routing.replay import RoutingReplay
-    from megatron_sat.training.distributed import ParallelConfig, init_distributed
+    from megatron_sat.config import ParallelConfig
+    from megatron_sat.platform.distributed import init_distributed
     from megatron_sat.training.logprobs import forward_backward
     from megatron_sat.training.packing import pack_micro_batches
 

@@ -22,7 +22,8 @@ def main(argv: list[str]) -> None:
 
     from megatron_sat.config import load_config
     from megatron_sat.training import rl
-    from megatron_sat.training.distributed import ParallelConfig, init_distributed
+    from megatron_sat.config import ParallelConfig
+    from megatron_sat.platform.distributed import init_distributed
     from megatron_sat.training.trainer import PolicyTrainer
 
     rl.math_reward = lambda response, label: float(len(response) % 2)

@@ -20,7 +20,8 @@ def main(argv: list[str]) -> None:
 
     from megatron_sat.config import load_config
     from megatron_sat.training import rl
-    from megatron_sat.training.distributed import ParallelConfig, init_distributed
+    from megatron_sat.config import ParallelConfig
+    from megatron_sat.platform.distributed import init_distributed
 
     # The tiny random model never writes a boxed answer, so math rewards would all be 0, the
     # advantages 0 and the weights would never move. A reward that varies within each group

@@ -45,7 +45,8 @@ from megatron_sat.checkpoint.hf_io import read_hf_config, read_hf_tensors  # noq
 from megatron_sat.checkpoint.sharding import load_hf_tensors  # noqa: E402
 from megatron_sat.rollout.client import SamplingParams, SGLangClient  # noqa: E402
 from megatron_sat.rollout.embedded.launch import EmbeddedServer  # noqa: E402
-from megatron_sat.training.distributed import ParallelConfig, init_distributed  # noqa: E402
+from megatron_sat.config import ParallelConfig  # noqa: E402
+from megatron_sat.platform.distributed import init_distributed  # noqa: E402
 from megatron_sat.weight_sync.broadcast import UpdateStats, WeightUpdater  # noqa: E402
 from megatron_sat.weight_sync.megatron_push import push_megatron_weights  # noqa: E402
 

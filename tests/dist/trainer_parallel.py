@@ -84,7 +84,7 @@ def main(spec_path: str, out_dir: str) -> None:
 
     from megatron_sat.config import TrainConfig
     from megatron_sat.objectives import ObjectiveConfig
-    from megatron_sat.training.distributed import ParallelConfig
+    from megatron_sat.config import ParallelConfig
     from megatron_sat.training.trainer import PolicyTrainer
 
     rank = None

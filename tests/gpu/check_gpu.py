@@ -255,7 +255,8 @@ def main() -> int:
         return 0
     from conftest import make_tiny_checkpoint
 
-    from megatron_sat.training.distributed import ParallelConfig, init_distributed
+    from megatron_sat.config import ParallelConfig
+    from megatron_sat.platform.distributed import init_distributed
 
     print(f"device: {torch.cuda.get_device_name(0)} x {torch.cuda.device_count()}")
     init_distributed(ParallelConfig(), seed=1234)

@@ -131,9 +131,8 @@ def main() -> int:
     from r3_common import make_samples
 
     from megatron_sat.checkpoint.tiny_models import make_tiny_checkpoint
-    from megatron_sat.config import TrainConfig
+    from megatron_sat.config import ParallelConfig, TrainConfig
     from megatron_sat.objectives import ObjectiveConfig
-    from megatron_sat.training.distributed import ParallelConfig
     from megatron_sat.training.trainer import PolicyTrainer
 
     ok = True

@@ -15,27 +15,15 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
+from megatron_sat.config.launch import VLLM_SERVER_FLAGS
+
 # Our weight-transfer backends by torch.distributed backend: the gloo one is ours
 # (registered through the vllm.general_plugins entry point), nccl is vLLM's.
 VLLM_BACKENDS = {"gloo": "megatron_sat_gloo", "nccl": "nccl"}
 # VLLM_SERVER_DEV_MODE=1 registers the pause, resume and weight-transfer routes
 # (vllm/entrypoints/serve/__init__.py); every vLLM server of a run needs it.
 DEV_MODE_ENV = {"VLLM_SERVER_DEV_MODE": "1"}
-# The flags server_args sets; extra arguments (launch.vllm_args) must not repeat them.
-SERVER_FLAGS = (
-    "--model",
-    "--host",
-    "--port",
-    "--dtype",
-    "--seed",
-    "--tensor-parallel-size",
-    "-tp",
-    "--enable-scale-out",
-    "--logprobs-mode",
-    "--weight-transfer-config",
-    "--enable-return-routed-experts",
-    "--api-key",
-)
+SERVER_FLAGS = VLLM_SERVER_FLAGS  # the flags server_args sets (declared with the launch config)
 
 
 def server_args(

@@ -16,13 +16,13 @@ from typing import Any
 
 import yaml
 
-from megatron_sat.launch.config import LaunchConfig
+from megatron_sat.config.launch import LaunchConfig
+from megatron_sat.config.parallel import ParallelConfig
 from megatron_sat.objectives import (
     INERT_CLIP_WARNING,
     ObjectiveConfig,
     recomputed_old_when_stale,
 )
-from megatron_sat.training.distributed import ParallelConfig
 
 
 def _positive(section: str, obj: Any, *names: str) -> None:

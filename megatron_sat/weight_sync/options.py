@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from megatron_sat.launch.config import LaunchConfig
+from megatron_sat.config.launch import LaunchConfig
 
 
 def weight_sync_options(

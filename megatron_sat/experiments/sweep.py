@@ -430,7 +430,7 @@ def sweep_report(grid: SweepGrid, out_dir: str | Path, command: str | None = Non
     Raises:
         ValueError: no finished cell.
     """
-    from megatron_sat.training.run_plots import read_metrics
+    from megatron_sat.experiments.plots import read_metrics
 
     out_dir = Path(out_dir)
     done = [c for c in grid.cells if c.finished]

@@ -1,0 +1,133 @@
+"""Checks of the trainer's parallel layout against its world size and the model's shape.
+
+What ``megatron-sat train`` runs on every rank before it builds anything
+(:func:`check_train_layout`), and what the launch plan (``launch.plan.resolve_plan``) runs
+for the whole cluster layout. Errors name the config field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+
+def parallel_option(parallel: Any, name: str) -> Any:
+    """A ParallelConfig field if the trainer's ParallelConfig defines it, else None."""
+    names = {f.name for f in dataclasses.fields(parallel)}
+    return getattr(parallel, name) if name in names else None
+
+
+def read_model_config(cfg: Any) -> tuple[str, dict[str, Any]]:
+    """The HF config.json the plan uses: ``launch.model_config`` or the one in
+    ``init_checkpoint``. Returns ``(path, parsed)``.
+
+    Raises:
+        ValueError: naming ``launch.model_config`` when the file is missing or not JSON.
+    """
+    path = Path(cfg.launch.model_config or Path(cfg.init_checkpoint) / "config.json")
+    if not path.is_file():
+        raise ValueError(
+            f"launch.model_config: {path} does not exist (set launch.model_config to an HF "
+            "config.json, e.g. examples/models/qwen3_30b_a3b.json, when init_checkpoint is not "
+            "on this machine)"
+        )
+    try:
+        return str(path), json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"launch.model_config: {path} is not valid JSON: {e}") from None
+
+
+def check_train_layout(cfg: Any, world: int, hf_config: dict[str, Any] | None = None) -> None:
+    """The launch plan's layout and model checks for a trainer of ``world`` ranks (what
+    ``megatron-sat train`` runs before building anything, at the world torchrun gave it).
+
+    Raises:
+        ValueError: listing every problem, one per line, each naming its config field.
+    """
+    if hf_config is None:
+        _, hf_config = read_model_config(cfg)
+    par = cfg.parallel
+    tp = par.tensor_model_parallel_size
+    sp = parallel_option(par, "sequence_parallel")
+    if sp is None:
+        sp = tp > 1  # transformer_config_from_hf's rule
+    cp = parallel_option(par, "context_parallel_size") or 1
+    pp = par.pipeline_model_parallel_size
+    ep, etp = par.expert_model_parallel_size, par.expert_tensor_parallel_size
+    errors = layout_errors(hf_config, world, tp, pp, ep, etp, sp)
+    errors += context_parallel_errors(cfg, world, tp, cp, pp, [])
+    if errors:
+        raise ValueError("invalid training layout:\n  " + "\n  ".join(errors))
+
+
+def context_parallel_errors(
+    cfg: Any, world: int, tp: int, cp: int, pp: int, notes: list[str]
+) -> list[str]:
+    """Context parallelism and the token budget against the world, the device and the
+    longest sample; adds notes on what CP needs."""
+    errors = []
+    if cp > 1:
+        if world % (tp * cp * pp):
+            errors.append(
+                f"parallel.context_parallel_size={cp} x TP {tp} x PP {pp} does not divide the "
+                f"{world} trainer ranks"
+            )
+        if cfg.launch.device == "cpu":
+            errors.append(
+                f"parallel.context_parallel_size={cp} with launch.device=cpu: attention under "
+                "context parallelism is transformer-engine's (ring attention); the CPU path "
+                "has none"
+            )
+        notes.append(
+            f"context parallel {cp}: each sequence is cut into {2 * cp} chunks, rank r of a CP "
+            f"group holding chunks r and {2 * cp - 1}-r (tokens, loss masks and R3 routes "
+            "alike); the trainer's steps do not run CP yet and refuse it"
+        )
+    budget = cfg.train.max_tokens_per_micro_batch
+    if budget is not None and cfg.rollout.max_new_tokens + 1 > budget * cp:
+        errors.append(
+            f"train.max_tokens_per_micro_batch={budget}: a sample of rollout.max_new_tokens="
+            f"{cfg.rollout.max_new_tokens} response tokens and a prompt does not fit "
+            + (f"in {budget * cp} tokens over CP {cp}" if cp > 1 else "in one micro-batch")
+        )
+    return errors
+
+
+def layout_errors(
+    hf: dict[str, Any], world: int, tp: int, pp: int, ep: int, etp: int, sp: bool
+) -> list[str]:
+    """Parallel sizes against the trainer world and the model's dimensions."""
+    errors = []
+    ranks = f"the {world} trainer ranks (launch.trainer_nodes x launch.trainer_gpus_per_node)"
+    if world % (tp * pp):
+        errors.append(
+            f"parallel.tensor_model_parallel_size={tp} x parallel.pipeline_model_parallel_size"
+            f"={pp} does not divide {ranks}"
+        )
+    if world % (etp * ep * pp):
+        errors.append(
+            f"parallel.expert_model_parallel_size={ep} x expert TP {etp} x PP {pp} does not "
+            f"divide {ranks}"
+        )
+    heads = int(hf["num_attention_heads"])
+    groups = int(hf.get("num_key_value_heads") or heads)
+    num_experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
+    num_experts = num_experts or int(hf.get("n_routed_experts") or 0)
+    checks = [
+        (heads, tp, "parallel.tensor_model_parallel_size", "num_attention_heads"),
+        (groups, tp, "parallel.tensor_model_parallel_size", "num_key_value_heads (query groups)"),
+        (int(hf["vocab_size"]), tp, "parallel.tensor_model_parallel_size", "vocab_size"),
+        (int(hf["num_hidden_layers"]), pp, "parallel.pipeline_model_parallel_size", "layers"),
+        (num_experts, ep, "parallel.expert_model_parallel_size", "experts"),
+    ]
+    for value, size, name, what in checks:
+        if value % size:
+            errors.append(f"{name}={size} does not divide the model's {what} ({value})")
+    if num_experts and tp > 1 and not sp:
+        errors.append(
+            f"parallel.sequence_parallel=False with MoE and parallel.tensor_model_parallel_size"
+            f"={tp}: megatron-core requires sequence parallelism for MoE with TP > 1"
+        )
+    return errors

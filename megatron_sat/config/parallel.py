@@ -1,0 +1,46 @@
+"""The ``parallel`` section of the run config: the trainer's Megatron parallel layout."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Megatron parallel layout of the trainer ranks.
+
+    Attributes:
+        tensor_model_parallel_size: TP degree (sequence parallel is on whenever TP > 1).
+        pipeline_model_parallel_size: PP degree.
+        expert_model_parallel_size: EP degree.
+        expert_tensor_parallel_size: TP degree inside the experts. 1 (every expert whole on
+            one rank, the usual MoE layout and the launch plan's) unless set; megatron-core's
+            own default would be the TP size.
+        context_parallel_size: CP degree: every sequence split over CP ranks by megatron-core's
+            load-balanced split (``training.context_parallel``). Attention under CP is
+            transformer-engine's, so CP > 1 is refused without CUDA (``init_distributed``).
+    """
+
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: int = 1
+    context_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        for name, value in self.sizes().items():
+            if value < 1:
+                raise ValueError(f"parallel.{name} must be >= 1, got {value}")
+        if self.context_parallel_size < 1:
+            raise ValueError(
+                f"parallel.context_parallel_size must be >= 1, got {self.context_parallel_size}"
+            )
+
+    def sizes(self) -> dict[str, int]:
+        """The four sizes by field name (also the ``transformer_config_from_hf`` keywords)."""
+        return {
+            "tensor_model_parallel_size": self.tensor_model_parallel_size,
+            "pipeline_model_parallel_size": self.pipeline_model_parallel_size,
+            "expert_model_parallel_size": self.expert_model_parallel_size,
+            "expert_tensor_parallel_size": self.expert_tensor_parallel_size,
+        }

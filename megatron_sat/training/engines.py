@@ -1,0 +1,100 @@
+"""The run's rollout engine from its config: clients of the configured servers, the fleet
+that owns them (restarts, weight pushes), and the weight updater's options."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+
+from megatron_sat.config import RunConfig
+from megatron_sat.platform.device import get_device, weight_sync_backend
+from megatron_sat.rollout.auth import ServerKeys, load_server_keys
+from megatron_sat.rollout.client import SGLangClient
+from megatron_sat.rollout.embedded.launch import EmbeddedServer
+from megatron_sat.rollout.fleet import RolloutFleet
+from megatron_sat.weight_sync.options import weight_sync_options
+
+
+def server_keys(cfg: RunConfig) -> ServerKeys | None:
+    """The keys of ``rollout.server_key_file`` (None without one); raises ValueError naming
+    the file when it is readable by others (see ``load_server_keys``)."""
+    path = cfg.rollout.server_key_file
+    return None if path is None else load_server_keys(path)
+
+
+@contextlib.contextmanager
+def rollout_clients(cfg: RunConfig) -> Iterator[list[SGLangClient]]:
+    """Clients of the configured servers, starting embedded CPU servers when no URL is given."""
+    if cfg.rollout.server_urls:
+        keys = server_keys(cfg)
+        clients = [SGLangClient(url, keys=keys) for url in cfg.rollout.server_urls]
+        yield clients
+        return
+    with contextlib.ExitStack() as stack:
+        servers = [
+            stack.enter_context(
+                EmbeddedServer(
+                    cfg.init_checkpoint,
+                    random_seed=cfg.train.seed + i,
+                    dtype=cfg.rollout.dtype,
+                    enable_return_routed_experts=True,
+                    max_running_requests=cfg.rollout.prompts_per_step * cfg.rollout.group_size,
+                )
+            )
+            for i in range(cfg.rollout.num_embedded_servers)
+        ]
+        yield [SGLangClient(server.url) for server in servers]
+
+
+def rollout_fleet(cfg: RunConfig) -> RolloutFleet:
+    """The configured servers as a fleet (``rollout.fleet``): the SGLang (with
+    ``rollout.engine=vllm``: vLLM, ``rollout.vllm.fleet``) servers of ``rollout.server_urls``
+    (reported, never restarted, when they die), else
+    ``rollout.num_embedded_servers`` embedded CPU servers started here (restarted when they
+    die). Use it as a context manager: it stops the servers it started."""
+    options = sync_options(cfg, len(cfg.rollout.server_urls) or cfg.rollout.num_embedded_servers)
+    if cfg.rollout.engine == "vllm":
+        from megatron_sat.rollout.vllm.fleet import VLLMFleet
+
+        keys = server_keys(cfg)  # vLLM has one key level: its --api-key (VLLM_API_KEY)
+        return VLLMFleet.from_urls(
+            cfg.rollout.server_urls,
+            api_key=None if keys is None else keys.api_key,
+            updater_options=options,
+        )
+    if cfg.rollout.server_urls:
+        return RolloutFleet.from_urls(
+            cfg.rollout.server_urls, keys=server_keys(cfg), updater_options=options
+        )
+    return RolloutFleet.embedded(
+        cfg.init_checkpoint,
+        cfg.rollout.num_embedded_servers,
+        server_options=lambda i: {
+            "random_seed": cfg.train.seed + i,
+            "dtype": cfg.rollout.dtype,
+            "enable_return_routed_experts": True,
+            "max_running_requests": cfg.rollout.prompts_per_step * cfg.rollout.group_size,
+        },
+        updater_options=options,
+    )
+
+
+def sync_options(cfg: RunConfig, num_servers: int) -> dict:
+    """WeightUpdater options: SGLang servers given by URL join with their TP ranks over the
+    backend the platform decides (``platform.weight_sync_backend``: NCCL when the trainer and
+    the servers, ``launch.device``, are on CUDA; ``rollout.weight_sync_backend`` overrides
+    it); embedded servers run on the CPU, one gloo rank each. Bounded
+    mode pauses with "abort", so requests in flight at a push come back partial and the pool
+    resumes or restarts them (``rollout.on_update``); in the other modes nothing is in flight
+    at a push and "retract" lets a stray request finish."""
+    options = weight_sync_options(cfg.launch, num_servers, os.environ)
+    server_device = cfg.launch.device  # servers given by URL run where the launch put them
+    if not cfg.rollout.server_urls:
+        options.update(ranks_per_server=[1] * num_servers)
+        server_device = "cpu"  # the embedded engine has no CUDA path
+    options["backend"] = weight_sync_backend(
+        get_device().type, server_device, cfg.rollout.weight_sync_backend
+    )
+    options["pause_mode"] = "abort" if cfg.rollout.mode == "bounded" else "retract"
+    return options
