@@ -60,7 +60,7 @@ def test_bf16_engine_mismatch_at_lag_1_and_r3_removes_the_routing_part(
             f"bf16 engine, step {row['step']}: mismatch live {live:.3e}, with R3 {r3:.3e}, "
             f"top-k live {row['train/topk_match_live']:.4f}, R3 {row['train/topk_match_r3']}"
         )
-        assert live > 1e-3  # an fp32 engine gives ~1e-7 (README)
+        assert live > 1e-3  # an fp32 engine gives ~1e-7 (docs/results.md)
         assert row["train/topk_match_r3"] == 1.0
         assert 0 < row["train/ess"] <= 1  # the importance weights' effective sample size
         assert r3 <= live * (1 + 1e-6)  # a step without a flip: the same forward
