@@ -31,16 +31,20 @@ for arg in "$@"; do
     exit $status
   fi
 done
-# Fast tier: it must collect tests (5 is a failure of the suite, not a pass).
+# Fast tier first, so a broken unit fails in minutes; then the slow tier. Either may select
+# nothing (a file of slow tests only, or none), but not both: collecting no test at all is a
+# failure of the suite, not a pass.
 run_pytest -m "not slow" "$@"
-if [[ $status -eq 5 ]]; then
-  echo "pytest collected no fast (not slow) tests" >&2
-  exit 1
+fast=$status
+if [[ $fast -ne 0 && $fast -ne 5 ]]; then
+  exit $fast
 fi
-[[ $status -eq 0 ]] || exit $status
-# Slow tier: none selected (5) is fine, e.g. for a file without slow tests.
 run_pytest -m slow "$@"
 if [[ $status -eq 5 ]]; then
+  if [[ $fast -eq 5 ]]; then
+    echo "pytest collected no tests" >&2
+    exit 1
+  fi
   exit 0
 fi
 exit $status
