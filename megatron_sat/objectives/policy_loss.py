@@ -41,6 +41,7 @@ Deliberate choices where ALGORITHMS.md leaves room, and departures:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import types
 import warnings
@@ -799,10 +800,9 @@ def policy_loss(
         `num_active_tokens`, `num_seqs` (rows with >= 1 active token), `ess`,
         `is_weight_mean`, `is_weight_sq_mean` (`importance_weight_metrics`); SAT objectives add
         `sat_q`, `sat_gate_rate`, `sat_eps_low_mean`, `sat_eps_high_mean`, `sat_c_plus_min`,
-        `sat_c_minus_min`; DPPO adds `dppo_drop_rate`; M2PO `m2po_m2`, `m2po_mask_rate`;
-        TIS `tis_weight_mean`; IcePop
-        `icepop_keep_rate`; `kl_loss` when `kl_coef > 0`; `entropy` (token mean) when
-        `entropy` is given; with `sample_age`,
+        `sat_c_minus_min`; DPPO adds `dppo_drop_rate`; M2PO `m2po_m2`, `m2po_mask_rate`; TIS
+        `tis_weight_mean`; IcePop `icepop_keep_rate`; `kl_loss` when `kl_coef > 0`; `entropy`
+        (token mean) when `entropy` is given; with `sample_age`,
         `age{a}/clipfrac_low`, `age{a}/clipfrac_high`, `age{a}/mismatch_abs_logratio`,
         `age{a}/k1`, `age{a}/k3`, `age{a}/num_active_tokens`, `age{a}/num_seqs` per age a, and
         for SAT `age{a}/sat_gate_rate`, `age{a}/sat_eps_low_mean`, `age{a}/sat_eps_high_mean`,
@@ -824,17 +824,8 @@ def policy_loss(
             "entropy": entropy,
         },
     )
-    if config.kl_coef > 0 and ref_log_probs is None:
-        raise ValueError("ref_log_probs is required when ObjectiveConfig.kl_coef > 0")
-    if config.entropy_coef > 0 and entropy is None:
-        raise ValueError("entropy is required when ObjectiveConfig.entropy_coef > 0")
+    _check_optional_inputs(config, ref_log_probs, old_log_probs, sat_quantile, entropy)
     recomputed = config.ratio_denominator == "recomputed_old"
-    if recomputed and old_log_probs is None:
-        raise ValueError(
-            "old_log_probs is required when ObjectiveConfig.ratio_denominator == 'recomputed_old'"
-        )
-    if sat_quantile is not None and config.name not in SAT_STALENESS:
-        warnings.warn(f"sat_quantile is ignored by objective {config.name!r}", stacklevel=2)
     inp = prepare_inputs(
         log_probs, old_log_probs if recomputed else rollout_log_probs, advantages, loss_mask
     )
@@ -845,18 +836,32 @@ def policy_loss(
     if weight is not None:
         per_token = per_token * weight
 
-    def agg(x: Tensor) -> Tensor:
-        return aggregate_loss(
-            x,
-            inp.mask,
-            config.loss_agg_mode,
-            global_num_tokens=global_num_tokens,
-            global_num_seqs=global_num_seqs,
-            norm_constant=config.loss_agg_norm_constant,
-        )
-
+    agg = functools.partial(
+        aggregate_loss,
+        loss_mask=inp.mask,
+        mode=config.loss_agg_mode,
+        global_num_tokens=global_num_tokens,
+        global_num_seqs=global_num_seqs,
+        norm_constant=config.loss_agg_norm_constant,
+    )
     pg_loss = agg(per_token)
-    loss = pg_loss
+    metrics = _loss_metrics(inp, rollout, terms, config, pg_loss, weight_metrics, sample_age)
+    loss = _regularised(pg_loss, inp, config, agg, ref_log_probs, entropy, metrics)
+    return loss, {k: v.detach() for k, v in metrics.items()}
+
+
+def _loss_metrics(
+    inp: LossInputs,
+    rollout: Tensor,
+    terms: ObjectiveTerms,
+    config: ObjectiveConfig,
+    pg_loss: Tensor,
+    weight_metrics: dict[str, Tensor],
+    sample_age: Tensor | None,
+) -> dict[str, Tensor]:
+    """`policy_loss`'s metrics before the regularisers (see its Returns): importance weights,
+    clip fractions and mismatch vs mu (token means), the sequence mismatch, the objective's
+    and the correction weights' own metrics, and the per-age buckets with `sample_age`."""
     clip = clip_indicators(
         terms.ratio, inp.advantages, terms.eps_low, terms.eps_high, config.dual_clip_c
     )
@@ -872,29 +877,78 @@ def policy_loss(
         **weight_metrics,
     }
     if sample_age is not None:
-        per_age = {k: clip[k] for k in ("clipfrac_low", "clipfrac_high")} | mismatch
-        minima = None
-        if terms.radii is not None:  # SAT diagnostics per bucket (q is the batch's, one value)
-            radii = terms.radii
-            per_age |= {
-                "sat_gate_rate": radii.gate.to(inp.log_probs.dtype),
-                "sat_eps_low_mean": radii.eps_low,
-                "sat_eps_high_mean": radii.eps_high,
-            }
-            minima = {"sat_c_plus_min": radii.c_plus, "sat_c_minus_min": radii.c_minus}
-        metrics.update(bucket_metrics(per_age, inp.mask, sample_age, prefix="age", minima=minima))
+        metrics.update(_age_metrics(inp, clip, mismatch, terms, sample_age))
+    return metrics
+
+
+def _regularised(
+    pg_loss: Tensor,
+    inp: LossInputs,
+    config: ObjectiveConfig,
+    agg: Callable[[Tensor], Tensor],
+    ref_log_probs: Tensor | None,
+    entropy: Tensor | None,
+    metrics: dict[str, Tensor],
+) -> Tensor:
+    """`pg_loss` plus `kl_coef` times the aggregated k3 reference KL, minus `entropy_coef`
+    times the aggregated entropy, in that order; adds `kl_loss` and `entropy` to `metrics`."""
+    loss = pg_loss
     if config.kl_coef > 0:
         kl_loss = agg(reference_kl(inp, ref_log_probs))
         loss = loss + config.kl_coef * kl_loss
         metrics["kl_loss"] = kl_loss.detach()
     elif ref_log_probs is not None:
-        warnings.warn("ref_log_probs is ignored because ObjectiveConfig.kl_coef == 0", stacklevel=2)
+        warnings.warn("ref_log_probs is ignored because ObjectiveConfig.kl_coef == 0", stacklevel=3)
     if entropy is not None:
         per_token_entropy = _masked(entropy, inp.mask, inp.log_probs.dtype)
         metrics["entropy"] = masked_mean(per_token_entropy.detach(), inp.mask)
         if config.entropy_coef > 0:
             loss = loss - config.entropy_coef * agg(per_token_entropy)
-    return loss, {k: v.detach() for k, v in metrics.items()}
+    return loss
+
+
+def _check_optional_inputs(
+    config: ObjectiveConfig,
+    ref_log_probs: Tensor | None,
+    old_log_probs: Tensor | None,
+    sat_quantile: float | Tensor | None,
+    entropy: Tensor | None,
+) -> None:
+    """The optional inputs `policy_loss` needs for `config` (errors as it documents); warns
+    when a SAT quantile is passed to an objective without SAT."""
+    if config.kl_coef > 0 and ref_log_probs is None:
+        raise ValueError("ref_log_probs is required when ObjectiveConfig.kl_coef > 0")
+    if config.entropy_coef > 0 and entropy is None:
+        raise ValueError("entropy is required when ObjectiveConfig.entropy_coef > 0")
+    if config.ratio_denominator == "recomputed_old" and old_log_probs is None:
+        raise ValueError(
+            "old_log_probs is required when ObjectiveConfig.ratio_denominator == 'recomputed_old'"
+        )
+    if sat_quantile is not None and config.name not in SAT_STALENESS:
+        warnings.warn(f"sat_quantile is ignored by objective {config.name!r}", stacklevel=3)
+
+
+def _age_metrics(
+    inp: LossInputs,
+    clip: dict[str, Tensor],
+    mismatch: dict[str, Tensor],
+    terms: ObjectiveTerms,
+    sample_age: Tensor,
+) -> dict[str, Tensor]:
+    """`policy_loss`'s per-version-age metrics (`bucket_metrics` with prefix `age`): clip
+    fractions and mismatch terms, and SAT's diagnostics when the objective has radii (q is the
+    batch's, one value)."""
+    per_age = {k: clip[k] for k in ("clipfrac_low", "clipfrac_high")} | mismatch
+    minima = None
+    if terms.radii is not None:
+        radii = terms.radii
+        per_age |= {
+            "sat_gate_rate": radii.gate.to(inp.log_probs.dtype),
+            "sat_eps_low_mean": radii.eps_low,
+            "sat_eps_high_mean": radii.eps_high,
+        }
+        minima = {"sat_c_plus_min": radii.c_plus, "sat_c_minus_min": radii.c_minus}
+    return bucket_metrics(per_age, inp.mask, sample_age, prefix="age", minima=minima)
 
 
 def importance_weight_metrics(
