@@ -198,61 +198,10 @@ def resolve_plan(cfg: Any, hf_config: dict[str, Any] | None = None) -> LaunchPla
     if errors:
         raise ValueError("invalid launch configuration:\n  " + "\n  ".join(errors))
     dp, edp = world // (tp * cp * pp), world // (etp * ep * pp)
-    sizes = {"tp": tp, "cp": cp, "ep": 1, "dp": dp, "pp": pp}
-    expert_sizes = {"tp": etp, "cp": 1, "ep": ep, "dp": edp, "pp": pp}
-    groups = {
-        "tensor parallel": rank_groups(sizes, ("tp",)),
-        "pipeline parallel": rank_groups(sizes, ("pp",)),
-        "data parallel": rank_groups(sizes, ("dp",)),
-        "model parallel (tp-pp)": rank_groups(sizes, ("tp", "pp")),
-        "expert parallel": rank_groups(expert_sizes, ("ep",)),
-        "expert tensor parallel": rank_groups(expert_sizes, ("tp",)),
-        "expert data parallel": rank_groups(expert_sizes, ("dp",)),
-    }
-    if cp > 1:  # dense gradients are reduced over DP x CP (megatron-core's dp-cp group)
-        groups["context parallel"] = rank_groups(sizes, ("cp",))
-        groups["data-context parallel (dp-cp)"] = rank_groups(sizes, ("cp", "dp"))
-    ranks = []
-    for r in range(world):
-        t, c, _, d, p = _decompose(r, [sizes[k] for k in ORDER])
-        et, _, e, ed, _ = _decompose(r, [expert_sizes[k] for k in ORDER])
-        node, local = divmod(r, launch.trainer_ranks_per_node)
-        ranks.append(TrainerRank(r, node, local, t, p, d, e, et, ed, c))
-
+    groups, ranks = _groups_and_ranks(launch, world, tp, cp, pp, dp, etp, ep, edp)
     servers, source, errors = _servers(cfg, launch)
-    ro = cfg.rollout
-    samples = ro.prompts_per_step * ro.group_size
-    mbs = cfg.train.micro_batch_size
-    if ro.prompts_per_step % dp:
-        errors.append(
-            f"rollout.prompts_per_step={ro.prompts_per_step} is not divisible by DP {dp}: the "
-            "trainer scatters whole groups, so the data-parallel ranks would get unequal shares"
-        )
-    elif cfg.train.max_tokens_per_micro_batch is None and samples % (dp * mbs):
-        errors.append(
-            f"train.micro_batch_size={mbs}: the {samples} samples of a step "
-            f"(rollout.prompts_per_step={ro.prompts_per_step} x rollout.group_size="
-            f"{ro.group_size}) are not divisible by DP {dp} x micro-batch {mbs}"
-        )
-    # The trainer's own rule (training.optimizer_layout), from the same train.* fields.
-    try:
-        layout = resolve_optimizer_layout(cfg.train, device_type=launch.device, dp=dp * cp, edp=edp)
-    except ValueError as e:
-        errors.append(str(e))
-        layout = resolve_optimizer_layout(
-            dataclasses.replace(
-                cfg.train, optimizer_cpu_offload=False, use_precision_aware_optimizer=False
-            ),
-            device_type=launch.device,
-            dp=dp * cp,
-            edp=edp,
-        )
-    if launch.params_dtype != layout.params_dtype:
-        errors.append(
-            f"launch.params_dtype={launch.params_dtype!r} but the trainer will build "
-            f"train.params_dtype={layout.params_dtype!r} on device {launch.device} "
-            f"(train.params_dtype={cfg.train.params_dtype!r}): set them alike"
-        )
+    errors += _batch_errors(cfg, dp)
+    layout = _optimizer_layout(cfg, dp * cp, edp, errors)
 
     def memory_for(opt_layout: OptimizerLayout) -> MemoryEstimate:
         return estimate_memory(
@@ -279,46 +228,11 @@ def resolve_plan(cfg: Any, hf_config: dict[str, Any] | None = None) -> LaunchPla
                 optimizer_cpu_offload=not layout.optimizer_cpu_offload,
             )
         )
-    limit = launch.gpu_memory_gib * GIB
-    if launch.device == "cuda":
-        if memory.trainer_bytes > limit:
-            errors.append(
-                f"launch.gpu_memory_gib={launch.gpu_memory_gib}: a trainer rank needs "
-                f"{memory.trainer_bytes / GIB:.1f} GiB for parameters, gradients and optimizer "
-                f"states alone ({memory.params_per_rank / 1e9:.2f}B parameters); raise TP/EP/PP"
-                + (
-                    ", or set train.optimizer_cpu_offload=true and "
-                    "train.use_distributed_optimizer=true "
-                    f"({toggled.trainer_bytes / GIB:.1f} GiB)"
-                    if toggled is not None and not layout.optimizer_cpu_offload
-                    else ""
-                )
-            )
-        if servers and memory.server_weight_bytes_per_gpu > limit:
-            errors.append(
-                f"launch.rollout_server_tp={launch.rollout_server_tp}: a server's bf16 weights "
-                f"need {memory.server_weight_bytes_per_gpu / GIB:.1f} GiB per GPU, more than "
-                f"launch.gpu_memory_gib={launch.gpu_memory_gib}"
-            )
-    else:
-        notes.append("device cpu: memory estimate printed, not checked against a device size")
-    if cfg.objective.kl_coef > 0:
-        notes.append(
-            f"objective.kl_coef > 0: the reference policy waits in host memory, "
-            f"{2 * memory.param_bytes / GIB:.1f} GiB per trainer rank while it is swapped in "
-            "(its weights and the policy's), none on the device"
-        )
+    errors += _memory_errors(cfg, memory, toggled, layout, bool(servers), notes)
     if errors:
         raise ValueError("invalid launch configuration:\n  " + "\n  ".join(errors))
-    sync_world = 1 + sum(len(s.devices) for s in servers)
-    if source == "external":
-        notes.append(
-            "external servers (rollout.server_urls): weight-sync ranks are assigned when the "
-            "trainer connects (1 per server unless the servers run TP)"
-        )
-        sync_world = 1 + len(ro.server_urls)
-    elif source == "trainer":
-        sync_world = 1 + ro.num_embedded_servers
+    samples = cfg.rollout.prompts_per_step * cfg.rollout.group_size
+    mbs = cfg.train.micro_batch_size
     return LaunchPlan(
         launch=launch,
         run_name=Path(cfg.run_dir).name,
@@ -337,7 +251,7 @@ def resolve_plan(cfg: Any, hf_config: dict[str, Any] | None = None) -> LaunchPla
         groups=groups,
         servers=servers,
         server_source=source,
-        sync_world_size=sync_world,
+        sync_world_size=_sync_world_size(cfg, servers, source, notes),
         sync_backend="nccl" if launch.device == "cuda" else "gloo",
         samples_per_step=samples,
         micro_batches_per_dp_rank=(
@@ -349,6 +263,146 @@ def resolve_plan(cfg: Any, hf_config: dict[str, Any] | None = None) -> LaunchPla
         optimizer_layout=layout,
         memory_offload_toggled=toggled,
     )
+
+
+def _groups_and_ranks(
+    launch: LaunchConfig,
+    world: int,
+    tp: int,
+    cp: int,
+    pp: int,
+    dp: int,
+    etp: int,
+    ep: int,
+    edp: int,
+) -> tuple[dict[str, list[list[int]]], list[TrainerRank]]:
+    """megatron-core's process groups by name, and every trainer rank's coordinates."""
+    sizes = {"tp": tp, "cp": cp, "ep": 1, "dp": dp, "pp": pp}
+    expert_sizes = {"tp": etp, "cp": 1, "ep": ep, "dp": edp, "pp": pp}
+    groups = {
+        "tensor parallel": rank_groups(sizes, ("tp",)),
+        "pipeline parallel": rank_groups(sizes, ("pp",)),
+        "data parallel": rank_groups(sizes, ("dp",)),
+        "model parallel (tp-pp)": rank_groups(sizes, ("tp", "pp")),
+        "expert parallel": rank_groups(expert_sizes, ("ep",)),
+        "expert tensor parallel": rank_groups(expert_sizes, ("tp",)),
+        "expert data parallel": rank_groups(expert_sizes, ("dp",)),
+    }
+    if cp > 1:  # dense gradients are reduced over DP x CP (megatron-core's dp-cp group)
+        groups["context parallel"] = rank_groups(sizes, ("cp",))
+        groups["data-context parallel (dp-cp)"] = rank_groups(sizes, ("cp", "dp"))
+    ranks = []
+    for r in range(world):
+        t, c, _, d, p = _decompose(r, [sizes[k] for k in ORDER])
+        et, _, e, ed, _ = _decompose(r, [expert_sizes[k] for k in ORDER])
+        node, local = divmod(r, launch.trainer_ranks_per_node)
+        ranks.append(TrainerRank(r, node, local, t, p, d, e, et, ed, c))
+    return groups, ranks
+
+
+def _batch_errors(cfg: Any, dp: int) -> list[str]:
+    """The step's batch against the data-parallel size and the micro-batch size."""
+    ro = cfg.rollout
+    samples = ro.prompts_per_step * ro.group_size
+    mbs = cfg.train.micro_batch_size
+    if ro.prompts_per_step % dp:
+        return [
+            f"rollout.prompts_per_step={ro.prompts_per_step} is not divisible by DP {dp}: the "
+            "trainer scatters whole groups, so the data-parallel ranks would get unequal shares"
+        ]
+    if cfg.train.max_tokens_per_micro_batch is None and samples % (dp * mbs):
+        return [
+            f"train.micro_batch_size={mbs}: the {samples} samples of a step "
+            f"(rollout.prompts_per_step={ro.prompts_per_step} x rollout.group_size="
+            f"{ro.group_size}) are not divisible by DP {dp} x micro-batch {mbs}"
+        ]
+    return []
+
+
+def _optimizer_layout(cfg: Any, dense_shards: int, edp: int, errors: list[str]) -> OptimizerLayout:
+    """The trainer's own optimizer layout rule (``training.optimizer_layout``) from the same
+    ``train.*`` fields; a refused layout is added to ``errors`` and the plan goes on with the
+    layout without offload and precision-aware moments, so that every other problem is listed
+    too."""
+    launch = cfg.launch
+    try:
+        layout = resolve_optimizer_layout(
+            cfg.train, device_type=launch.device, dp=dense_shards, edp=edp
+        )
+    except ValueError as e:
+        errors.append(str(e))
+        layout = resolve_optimizer_layout(
+            dataclasses.replace(
+                cfg.train, optimizer_cpu_offload=False, use_precision_aware_optimizer=False
+            ),
+            device_type=launch.device,
+            dp=dense_shards,
+            edp=edp,
+        )
+    if launch.params_dtype != layout.params_dtype:
+        errors.append(
+            f"launch.params_dtype={launch.params_dtype!r} but the trainer will build "
+            f"train.params_dtype={layout.params_dtype!r} on device {launch.device} "
+            f"(train.params_dtype={cfg.train.params_dtype!r}): set them alike"
+        )
+    return layout
+
+
+def _memory_errors(
+    cfg: Any,
+    memory: MemoryEstimate,
+    toggled: MemoryEstimate | None,
+    layout: OptimizerLayout,
+    has_servers: bool,
+    notes: list[str],
+) -> list[str]:
+    """The memory estimate against ``launch.gpu_memory_gib`` (on CUDA), naming the fields
+    that would make it fit; adds notes on the CPU and on the reference policy."""
+    launch = cfg.launch
+    errors = []
+    limit = launch.gpu_memory_gib * GIB
+    if launch.device == "cuda":
+        if memory.trainer_bytes > limit:
+            errors.append(
+                f"launch.gpu_memory_gib={launch.gpu_memory_gib}: a trainer rank needs "
+                f"{memory.trainer_bytes / GIB:.1f} GiB for parameters, gradients and optimizer "
+                f"states alone ({memory.params_per_rank / 1e9:.2f}B parameters); raise TP/EP/PP"
+                + (
+                    ", or set train.optimizer_cpu_offload=true and "
+                    "train.use_distributed_optimizer=true "
+                    f"({toggled.trainer_bytes / GIB:.1f} GiB)"
+                    if toggled is not None and not layout.optimizer_cpu_offload
+                    else ""
+                )
+            )
+        if has_servers and memory.server_weight_bytes_per_gpu > limit:
+            errors.append(
+                f"launch.rollout_server_tp={launch.rollout_server_tp}: a server's bf16 weights "
+                f"need {memory.server_weight_bytes_per_gpu / GIB:.1f} GiB per GPU, more than "
+                f"launch.gpu_memory_gib={launch.gpu_memory_gib}"
+            )
+    else:
+        notes.append("device cpu: memory estimate printed, not checked against a device size")
+    if cfg.objective.kl_coef > 0:
+        notes.append(
+            f"objective.kl_coef > 0: the reference policy waits in host memory, "
+            f"{2 * memory.param_bytes / GIB:.1f} GiB per trainer rank while it is swapped in "
+            "(its weights and the policy's), none on the device"
+        )
+    return errors
+
+
+def _sync_world_size(cfg: Any, servers: list[RolloutServer], source: str, notes: list[str]) -> int:
+    """The weight-update group's size: the trainer's sender plus every server rank."""
+    if source == "external":
+        notes.append(
+            "external servers (rollout.server_urls): weight-sync ranks are assigned when the "
+            "trainer connects (1 per server unless the servers run TP)"
+        )
+        return 1 + len(cfg.rollout.server_urls)
+    if source == "trainer":
+        return 1 + cfg.rollout.num_embedded_servers
+    return 1 + sum(len(s.devices) for s in servers)
 
 
 def _servers(cfg: Any, launch: LaunchConfig) -> tuple[list[RolloutServer], str, list[str]]:
