@@ -21,7 +21,12 @@ from megatron_sat.training.batching import MicroBatch
 from megatron_sat.training.logprobs import forward_log_probs, model_log_probs
 from megatron_sat.training.pass_plan import PassPlan
 from megatron_sat.training.pipeline import run_pipeline_schedule
-from megatron_sat.training.routing_metrics import topk_agreement, topk_agreements, topk_counts
+from megatron_sat.training.routing_metrics import (
+    ShardLayout,
+    topk_agreement,
+    topk_agreements,
+    topk_counts,
+)
 
 if TYPE_CHECKING:
     from megatron_sat.training.trainer import PolicyTrainer
@@ -91,13 +96,9 @@ def stage_replay(trainer: PolicyTrainer, mbs: Sequence[MicroBatch], *, training:
     return trainer.routing.replay(routes, training=training, audit=False)
 
 
-def layout_of(trainer: PolicyTrainer) -> dict:
+def layout_of(trainer: PolicyTrainer) -> ShardLayout:
     """This rank's layout as the ``routing_metrics`` functions take it."""
-    return dict(
-        tp_size=trainer.tp_size,
-        sequence_parallel=trainer.sequence_parallel,
-        pp_size=trainer.pp_size,
-    )
+    return ShardLayout(trainer.tp_size, trainer.sequence_parallel, trainer.pp_size)
 
 
 @torch.no_grad()
@@ -133,7 +134,7 @@ def no_grad_log_probs(
             ctx = replayed(trainer, mb, training=False) if replay else contextlib.nullcontext()
             with ctx, capture_routing(trainer.model) as used:
                 log_probs = forward_log_probs(trainer.model, mb)
-            out.append((log_probs, topk_agreement(used, mb, **layout_of(trainer))))
+            out.append((log_probs, topk_agreement(used, mb, layout_of(trainer))))
     return out
 
 
@@ -150,9 +151,7 @@ def pipelined_log_probs(trainer: PolicyTrainer, mbs: list[MicroBatch], replay: b
         ctx = trainer.routing.micro_batch(i) if replay else contextlib.nullcontext()
         with ctx, capture_routing(chunk) as used:
             output = model_log_probs(chunk, mb)
-        counts[i] = topk_counts(
-            used, mb, tp_size=layout["tp_size"], sequence_parallel=layout["sequence_parallel"]
-        )
+        counts[i] = topk_counts(used, mb, layout)
         if trainer.is_last_stage:
             log_probs[i] = mb.to_sample_layout(output)
         return output, None
@@ -160,7 +159,7 @@ def pipelined_log_probs(trainer: PolicyTrainer, mbs: list[MicroBatch], replay: b
     with stage_replay(trainer, mbs, training=False) if replay else contextlib.nullcontext():
         if mbs:  # (a pipeline without samples: every stage has none, nothing to send)
             run_pipeline_schedule(trainer.model, mbs, forward, forward_only=True)
-    matches = topk_agreements(counts, **layout)
+    matches = topk_agreements(counts, layout)
     return [
         (log_probs.get(i), None if mb.routes is None else match)
         for i, (mb, match) in enumerate(zip(mbs, matches, strict=True))

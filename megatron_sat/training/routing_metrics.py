@@ -9,18 +9,33 @@ every rank reports the value of the whole micro-batch.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from megatron_sat.routing.slicing import router_token_order
 from megatron_sat.training.batching import MicroBatch
 
 
+@dataclass(frozen=True)
+class ShardLayout:
+    """Which part of a micro-batch's routing this rank sees.
+
+    Attributes:
+        tp_size: the tensor-parallel size.
+        sequence_parallel: the routers see a sequence shard of the TP group.
+        pp_size: the pipeline size (each stage routes its own layers).
+    """
+
+    tp_size: int
+    sequence_parallel: bool
+    pp_size: int
+
+
 def topk_counts(
     captured: dict[int, torch.Tensor],
     mb: MicroBatch,
-    *,
-    tp_size: int,
-    sequence_parallel: bool,
+    layout: ShardLayout,
 ) -> torch.Tensor:
     """float64 [2]: this rank's (MoE layer, active token) pairs (its stage's layers, its
     sequence shard) whose experts equal the rollout's, and all such pairs; zeros for a
@@ -30,8 +45,7 @@ def topk_counts(
         captured: layer number -> bool routing map [local tokens, num_experts]
             (``routing.replay.capture_routing``), tokens in the router's order.
         mb: the micro-batch (padded or packed), with or without routes.
-        tp_size: the tensor-parallel size.
-        sequence_parallel: whether the routers see a sequence shard of the TP group.
+        layout: this rank's layout.
     """
     from megatron.core import parallel_state
 
@@ -40,8 +54,8 @@ def topk_counts(
         return counts
     coords = dict(
         tp_rank=parallel_state.get_tensor_model_parallel_rank(),
-        tp_size=tp_size,
-        sequence_parallel=sequence_parallel,
+        tp_size=layout.tp_size,
+        sequence_parallel=layout.sequence_parallel,
     )
     active = router_token_order(mb.active, **coords)
     for layer, used in captured.items():
@@ -53,18 +67,16 @@ def topk_counts(
     return counts
 
 
-def topk_agreements(
-    counts: torch.Tensor, *, tp_size: int, sequence_parallel: bool, pp_size: int
-) -> list[float]:
+def topk_agreements(counts: torch.Tensor, layout: ShardLayout) -> list[float]:
     """Per micro-batch, the agreement of ``counts`` [M, 2] (``topk_counts``) summed over the
     TP group under sequence parallelism and over the pipeline stages (each holds its own
     layers): the same values on every rank (0.0 without a pair). A collective over those
     groups; ``counts`` is reduced in place."""
     from megatron.core import parallel_state
 
-    if sequence_parallel and tp_size > 1:
+    if layout.sequence_parallel and layout.tp_size > 1:
         torch.distributed.all_reduce(counts, group=parallel_state.get_tensor_model_parallel_group())
-    if pp_size > 1:
+    if layout.pp_size > 1:
         torch.distributed.all_reduce(
             counts, group=parallel_state.get_pipeline_model_parallel_group()
         )
@@ -74,10 +86,7 @@ def topk_agreements(
 def topk_agreement(
     captured: dict[int, torch.Tensor],
     mb: MicroBatch,
-    *,
-    tp_size: int,
-    sequence_parallel: bool,
-    pp_size: int,
+    layout: ShardLayout,
 ) -> float | None:
     """Fraction of (MoE layer, active token) pairs of one micro-batch whose experts equal the
     rollout's (None for a micro-batch without rollout routes; 0.0 without an active token,
@@ -87,11 +96,8 @@ def topk_agreement(
     Args:
         captured: as ``topk_counts``.
         mb: the micro-batch.
-        tp_size, sequence_parallel, pp_size: this rank's layout.
+        layout: this rank's layout.
     """
     if mb.routes is None:
         return None
-    counts = topk_counts(captured, mb, tp_size=tp_size, sequence_parallel=sequence_parallel)
-    return topk_agreements(
-        counts[None], tp_size=tp_size, sequence_parallel=sequence_parallel, pp_size=pp_size
-    )[0]
+    return topk_agreements(topk_counts(captured, mb, layout)[None], layout)[0]

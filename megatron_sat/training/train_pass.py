@@ -85,7 +85,7 @@ def train_pass(
             (loss * scale).backward()
         mb_metrics["loss"] = loss.detach()  # this micro-batch's share of the global loss
         if replay:
-            mb_metrics["topk_match_r3"] = topk_agreement(used, mb, **layout_of(trainer))
+            mb_metrics["topk_match_r3"] = topk_agreement(used, mb, layout_of(trainer))
         acc.add(mb_metrics)
     trainer._finish_grads()
 
@@ -127,9 +127,7 @@ def pipelined_train(
                 output = forward_log_probs(chunk, mb)
             else:
                 output = model_log_probs(chunk, mb)  # the stage's hidden states
-        counts[i] = topk_counts(
-            used, mb, tp_size=layout["tp_size"], sequence_parallel=layout["sequence_parallel"]
-        )
+        counts[i] = topk_counts(used, mb, layout)
 
         def loss_fn(log_probs):
             if i >= num_real:  # filler: keeps the all-to-alls of the backward in step
@@ -144,7 +142,7 @@ def pipelined_train(
         if forwards:  # a data-parallel rank without samples (and no EP peers to follow)
             run_pipeline_schedule(trainer.model, forwards, forward, forward_only=False)
     if replay:
-        for i, match in enumerate(topk_agreements(counts, **layout)[:num_real]):
+        for i, match in enumerate(topk_agreements(counts, layout)[:num_real]):
             if i in metrics:
                 metrics[i]["topk_match_r3"] = match
     return [metrics[i] for i in range(num_real)] if trainer.is_last_stage else []
