@@ -266,23 +266,25 @@ class PolicyTrainer:
         Args:
             samples: this rank's samples, whole GRPO groups; advantages: [len(samples)] float.
             objective: the policy objective.
-            trainer_version: the policy version the trainer holds (optimizer steps so far).
-                When given, metrics per version-age bucket are added, and a "recomputed_old"
-                denominator is refused for samples older than 0 versions.
+            trainer_version: the policy version the trainer holds (optimizer steps so far, the
+                weight version that a sync after this step would *not* yet carry). When given,
+                metrics per version-age bucket are added (``rollout.types.staleness``), and a
+                "recomputed_old" denominator is refused for samples older than 0 versions.
             routing_diagnostic: run the live-routing diagnostic pass and report its ``*_live``
                 metrics (absent, not zero, when False). The same on every rank.
 
         Returns:
-            The step's global metrics, identical on every rank.
+            The step's global metrics, identical on every rank (listed in
+            ``training.policy_step``).
 
         Raises:
             ValueError: what ``step_batch.prepare_step_batch`` refuses.
             RuntimeError: the optimizer skipped the step (non-finite gradients).
         """
         batch = step_batch.prepare_step_batch(self, samples, advantages, objective, trainer_version)
-        use_r3 = self.train_config.use_r3
+        r3 = self.train_config.use_r3
         plan = plan_passes(
-            objective, use_r3=use_r3, diagnostic=routing_diagnostic, split_batch=batch.is_split
+            objective, use_r3=r3, diagnostic=routing_diagnostic, split_batch=batch.is_split
         )
         results = passes.run_no_grad_passes(self, batch.forwards, len(batch.mbs), plan)
         quantile = None
@@ -294,14 +296,7 @@ class PolicyTrainer:
         scale = self._loss_scale(batch.group)
         entropy = objective.entropy_coef > 0
         train_pass(
-            self,
-            batch.forwards,
-            len(batch.mbs),
-            loss_of,
-            acc,
-            scale,
-            replay=use_r3,
-            entropy=entropy,
+            self, batch.forwards, len(batch.mbs), loss_of, acc, scale, replay=r3, entropy=entropy
         )
         update_ok, grad_norm, _ = self.optimizer.step()
         if not update_ok:
