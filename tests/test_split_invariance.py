@@ -219,14 +219,14 @@ def test_token_budget_micro_batches_equal_one(trainer, batch, reference, case):
 def test_packed_reference_equals_padded(trainer, batch, reference, monkeypatch):
     # On the CPU (no transformer-engine) the one 24-sample micro-batch of the reference is
     # packed with a block mask (fewer rows than samples); the same step padded must agree.
-    import megatron_sat.training.trainer as trainer_module
+    import megatron_sat.training.step_batch as step_batch_module
     from megatron_sat.training.packing import PackedMicroBatch
 
     samples, advantages = batch
     (mb,) = trainer.micro_batches(samples, advantages, with_routes=True)
     assert isinstance(mb, PackedMicroBatch) and mb.input_ids.shape[0] < len(samples)
     assert mb.sample_indices == [s.index for s in samples]  # the losses' rows keep the order
-    monkeypatch.setattr(trainer_module, "dense_packing_rows", lambda *a, **k: None)
+    monkeypatch.setattr(step_batch_module, "dense_packing_rows", lambda *a, **k: None)
     (padded_mb,) = trainer.micro_batches(samples, advantages, with_routes=True)
     assert not isinstance(padded_mb, PackedMicroBatch)
     for case in (CASES[0], CASES[4]):

@@ -118,9 +118,34 @@ def pack_rows(
     if sorted(i for row in rows for i in row) != list(range(len(samples))):
         raise ValueError("the rows do not hold every sample exactly once")
     fullest = max(sum(samples[i].num_tokens for i in row) for row in rows)
-    seq = -(-fullest // pad_to_multiple_of) * pad_to_multiple_of
-    sample_row = torch.full((len(rows), seq), -1, dtype=torch.long)
-    sample_pos = torch.zeros((len(rows), seq), dtype=torch.long)
+    return _packed(
+        samples,
+        advantages,
+        rows,
+        num_rows=len(rows),
+        seq=-(-fullest // pad_to_multiple_of) * pad_to_multiple_of,
+        pad_token_id=pad_token_id,
+        routing_shape=routing_shape,
+        moe_layers=moe_layers,
+    )
+
+
+def _packed(
+    samples: Sequence[Sample],
+    advantages: torch.Tensor,
+    rows: Sequence[Sequence[int]],
+    *,
+    num_rows: int,
+    seq: int,
+    pad_token_id: int,
+    routing_shape: tuple[int, int, int] | None,
+    moe_layers: Sequence[int] | None,
+) -> PackedMicroBatch:
+    """The packed micro-batch [num_rows, seq] holding ``rows`` (positions into ``samples``, each
+    sample once; rows after ``len(rows)`` all padding), its per-sample view in the order of
+    ``samples``. The caller checks the rows and chooses ``seq`` (>= the fullest row)."""
+    sample_row = torch.full((num_rows, seq), -1, dtype=torch.long)
+    sample_pos = torch.zeros((num_rows, seq), dtype=torch.long)
     for r, row in enumerate(rows):
         offset = 0
         for i in row:
@@ -142,6 +167,7 @@ def pack_rows(
         input_ids=placed.input_ids,
         position_ids=sample_pos.clone(),
         labels=placed.labels,
+        # one segment per sample (padding: -1, its own), so sample_row serves as the segment id
         attention_mask=block_causal_mask(sample_row),
         routes=placed.routes,
         routes_valid=placed.routes_valid
@@ -293,42 +319,19 @@ def pack_micro_batches(
     for start in range(0, len(rows), rows_per_micro_batch):
         mb_rows = rows[start : start + rows_per_micro_batch]
         order = [i for row in mb_rows for i in row]
-        sample_row = torch.full((rows_per_micro_batch, seq), -1, dtype=torch.long)
-        sample_pos = torch.zeros((rows_per_micro_batch, seq), dtype=torch.long)
-        segment = torch.full((rows_per_micro_batch, seq), -1, dtype=torch.long)
-        j = 0
-        for r, row in enumerate(mb_rows):
-            offset = 0
-            for i in row:
-                n = samples[i].num_tokens
-                sample_row[r, offset : offset + n] = j
-                sample_pos[r, offset : offset + n] = torch.arange(n)
-                segment[r, offset : offset + n] = j
-                offset += n
-                j += 1
-        chosen = [samples[i] for i in order]
-        view = build_micro_batch(chosen, advantages[order], pad_token_id=pad_token_id)
-        placed = place_tokens(
-            chosen,
-            sample_row,
-            sample_pos,
-            pad_token_id=pad_token_id,
-            routing_shape=routing_shape,
-            moe_layers=moe_layers,
-        )
+        # The micro-batch's own samples in row order: row r holds positions j, j + 1, ...
+        sizes = [len(row) for row in mb_rows]
+        local = [list(range(sum(sizes[:r]), sum(sizes[: r + 1]))) for r in range(len(mb_rows))]
         out.append(
-            PackedMicroBatch(
-                samples=view,
-                input_ids=placed.input_ids,
-                position_ids=sample_pos.clone(),
-                labels=placed.labels,
-                attention_mask=block_causal_mask(segment),
-                routes=placed.routes,
-                routes_valid=placed.routes_valid
-                if placed.routes is not None
-                else torch.zeros_like(sample_row, dtype=torch.bool),
-                sample_row=sample_row,
-                sample_pos=sample_pos,
+            _packed(
+                [samples[i] for i in order],
+                advantages[order],
+                local,
+                num_rows=rows_per_micro_batch,
+                seq=seq,
+                pad_token_id=pad_token_id,
+                routing_shape=routing_shape,
+                moe_layers=moe_layers,
             )
         )
     return out

@@ -1,0 +1,148 @@
+"""The training pass of a step: forward and backward of every micro-batch, then the optimizer.
+
+Shared by the RL and SFT steps, which differ only in the loss of a micro-batch (``LossFn``).
+Each loss is the micro-batch's share of the global loss, multiplied by the trainer's loss
+scale before ``backward`` so that the reduced gradients are those of the global loss
+(``PolicyTrainer._loss_scale``). Fillers (micro-batches after the real ones, see
+``training.step_batch.with_fillers``) run a forward and a zero backward only, which keeps the
+token dispatcher's all-to-alls in step over an expert group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from megatron_sat.routing.replay import capture_routing
+from megatron_sat.training.batching import MicroBatch
+from megatron_sat.training.logprobs import (
+    forward_log_probs,
+    forward_log_probs_and_entropy,
+    model_log_probs,
+)
+from megatron_sat.training.loss_reduction import MetricAccumulator
+from megatron_sat.training.passes import layout_of, replayed, stage_replay
+from megatron_sat.training.pipeline import run_pipeline_schedule
+from megatron_sat.training.routing_metrics import topk_agreement, topk_agreements, topk_counts
+
+if TYPE_CHECKING:
+    from megatron_sat.training.trainer import PolicyTrainer
+
+# (index of a real micro-batch, log-probs [N, S], entropy [N, S] or None) -> (its share of
+# the global loss, its metrics)
+LossFn = Callable[[int, torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, dict]]
+
+
+def train_pass(
+    trainer: PolicyTrainer,
+    forwards: list[MicroBatch],
+    num_real: int,
+    loss_of: LossFn,
+    acc: MetricAccumulator,
+    scale: float,
+    *,
+    replay: bool,
+    entropy: bool,
+) -> None:
+    """Forward and backward of ``forwards`` with fresh gradients, each real micro-batch's
+    metrics plus ``loss`` (its share of the global loss) and, with ``replay``,
+    ``topk_match_r3`` added to ``acc``; then the gradients are completed
+    (``trainer._finish_grads``, a collective). No optimizer step.
+
+    Args:
+        trainer: the policy trainer (model, optimizer, routing replay, layout).
+        forwards: the micro-batches, the fillers after the first ``num_real``.
+        num_real: how many of ``forwards`` are real.
+        loss_of: the loss of a real micro-batch (``LossFn``).
+        acc: the step's metric accumulator.
+        scale: factor on each loss before backward (``PolicyTrainer._loss_scale``).
+        replay: replay the rollout routes (R3) in every forward.
+        entropy: the forward also gives the policy's entropy for ``loss_of``.
+    """
+    trainer.model.train()
+    trainer.model.zero_grad_buffer()
+    trainer.optimizer.zero_grad()
+    if trainer.pp_size > 1:  # megatron-core's schedule runs every forward and backward
+        for mb_metrics in pipelined_train(
+            trainer, forwards, num_real, loss_of, scale, replay=replay, entropy=entropy
+        ):
+            acc.add(mb_metrics)
+    for i, mb in enumerate(forwards if trainer.pp_size == 1 else []):
+        ctx = replayed(trainer, mb, training=True) if replay else contextlib.nullcontext()
+        with ctx, capture_routing(trainer.model) as used:
+            ent = None
+            if entropy:
+                log_probs, ent = forward_log_probs_and_entropy(trainer.model, mb)
+            else:
+                log_probs = forward_log_probs(trainer.model, mb)
+            if i >= num_real:  # filler: keeps the all-to-alls of the backward in step
+                (log_probs.sum() * 0.0).backward()
+                continue
+            loss, mb_metrics = loss_of(i, log_probs, ent)
+            (loss * scale).backward()
+        mb_metrics["loss"] = loss.detach()  # this micro-batch's share of the global loss
+        if replay:
+            mb_metrics["topk_match_r3"] = topk_agreement(used, mb, layout_of(trainer))
+        acc.add(mb_metrics)
+    trainer._finish_grads()
+
+
+def pipelined_train(
+    trainer: PolicyTrainer,
+    forwards: list[MicroBatch],
+    num_real: int,
+    loss_of: LossFn,
+    scale: float,
+    *,
+    replay: bool,
+    entropy: bool,
+) -> list[dict]:
+    """Forward and backward of ``forwards`` through megatron-core's pipeline schedule
+    (1F1B), with R3 replay of each stage's layers when ``replay``.
+
+    Args:
+        trainer, forwards, num_real, loss_of, scale, entropy: as ``train_pass``; ``loss_of``
+            runs on the last stage.
+        replay: replay the rollout routes (R3); also adds ``topk_match_r3`` (a collective
+            over the TP and pipeline groups after the schedule).
+
+    Returns:
+        On the last stage, per real micro-batch its metrics plus ``loss`` (its share of
+        the global loss); on the other stages an empty list.
+    """
+    layout = layout_of(trainer)
+    counts = torch.zeros(len(forwards), 2, dtype=torch.float64)
+    metrics: dict[int, dict] = {}
+
+    def forward(chunk, mb, i):
+        ctx = trainer.routing.micro_batch(i) if replay else contextlib.nullcontext()
+        ent = None
+        with ctx, capture_routing(chunk) as used:
+            if trainer.is_last_stage and entropy:
+                output, ent = forward_log_probs_and_entropy(chunk, mb)
+            elif trainer.is_last_stage:
+                output = forward_log_probs(chunk, mb)
+            else:
+                output = model_log_probs(chunk, mb)  # the stage's hidden states
+        counts[i] = topk_counts(used, mb, layout)
+
+        def loss_fn(log_probs):
+            if i >= num_real:  # filler: keeps the all-to-alls of the backward in step
+                return log_probs.sum() * 0.0
+            loss, mb_metrics = loss_of(i, log_probs, ent)
+            metrics[i] = dict(mb_metrics, loss=loss.detach())
+            return loss * scale
+
+        return output, loss_fn
+
+    with stage_replay(trainer, forwards, training=True) if replay else contextlib.nullcontext():
+        if forwards:  # a data-parallel rank without samples (and no EP peers to follow)
+            run_pipeline_schedule(trainer.model, forwards, forward, forward_only=False)
+    if replay:
+        for i, match in enumerate(topk_agreements(counts, layout)[:num_real]):
+            if i in metrics:
+                metrics[i]["topk_match_r3"] = match
+    return [metrics[i] for i in range(num_real)] if trainer.is_last_stage else []
