@@ -3,11 +3,13 @@ serves again, the fixed lag stays exact, and the per-server metrics are logged e
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 from megatron_sat.config import load_config
 from megatron_sat.rollout.arith import make_arith_splits
 from megatron_sat.rollout.client import SGLangClient
+from megatron_sat.rollout.engines import ENGINES
 from megatron_sat.rollout.fleet import RolloutFleet
 
 
@@ -57,7 +59,8 @@ def test_rl_loop_restarts_a_dead_embedded_server(
             pushes.append((version, report))
             return report
 
-    monkeypatch.setattr(rl, "RolloutFleet", Fleet)
+    # The run builds its fleet from the engine registry (rollout.engines.ENGINES).
+    monkeypatch.setitem(ENGINES, "sglang", dataclasses.replace(ENGINES["sglang"], fleet=Fleet))
     train, test = make_arith_splits(64, 4, seed=1, max_digits=1)
     for name, rows in (("train", train), ("test", test)):
         (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))

@@ -30,6 +30,7 @@ from megatron_sat.launch.memory import (
     count_parameters,
     estimate_memory,
 )
+from megatron_sat.rollout.engines import server_launch
 from megatron_sat.training.optimizer_layout import OptimizerLayout, resolve_optimizer_layout
 
 ORDER = ("tp", "cp", "ep", "dp", "pp")
@@ -517,7 +518,7 @@ def format_plan(plan: LaunchPlan, max_rows: int = 64) -> str:
         lines.append(
             f"  server {s.index}: node {s.node}, devices {','.join(map(str, s.devices))}, port "
             f"{s.port}, {la.rollout_engine}"
-            + (f" --tp-size {la.rollout_server_tp}" if la.rollout_engine == "sglang" else "")
+            + server_launch(la.rollout_engine).plan_flags(la)
             + f" --enable-return-routed-experts; weight-sync ranks {_span(list(s.sync_ranks))}"
         )
     if not plan.servers:

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_sat.launch.plan import LaunchPlan, RolloutServer, format_plan
+from megatron_sat.rollout.engines import ServerStart, server_launch
 
 _HEALTH_FUNCTION = """\
 FREE_PORT_PY='import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])'
@@ -146,70 +147,25 @@ def uses_keys(plan: LaunchPlan) -> bool:
 def server_command(
     plan: LaunchPlan, ctx: RenderContext, server: RolloutServer, host: str = "127.0.0.1"
 ) -> list[str]:
-    """The argv (after the interpreter) of one rollout server listening on ``host``; with
-    per-job keys (``uses_keys``) it reads them from ``"$KEY_FILE"`` (``--config``)."""
-    la = plan.launch
-    common = ["--model-path", ctx.model_path, "--host", host, "--port", str(server.port)]
-    if uses_keys(plan):
-        common += ["--config", Raw('"$KEY_FILE"')]
-    seed = ["--random-seed", str(ctx.seed + server.index)]
-    if la.rollout_engine == "sglang":
-        return [
-            "-m",
-            "sglang.launch_server",
-            *common,
-            "--tp-size",
-            str(la.rollout_server_tp),
-            "--enable-return-routed-experts",
-            "--weight-version",
-            "0",
-            # SGLang 0.5.23 uses a request's sampling_seed only under this flag
-            # (sampling/sampling_batch_info.py; it also selects the pytorch sampler): the
-            # per-request seeds that keep a resumed run on its path (rollout/seeds.py).
-            "--enable-deterministic-inference",
-            *seed,
-            *la.sglang_args,
-        ]
-    if la.rollout_engine == "vllm":
-        return _vllm_server_args(plan, ctx, server, host)
-    return [
-        "-m",
-        "megatron_sat.rollout.embedded.server",
-        *common,
-        "--enable-return-routed-experts",
-        *seed,
-        "--max-running-requests",
-        str(ctx.max_running_requests),
-    ]
-
-
-def _vllm_server_args(
-    plan: LaunchPlan, ctx: RenderContext, server: RolloutServer, host: str
-) -> list[str]:
-    """A vLLM server (``megatron_sat.rollout.vllm.args.server_args``, as the tests start it):
-    gloo weight transfer and eager fp32 on CPU, nccl on CUDA. Its key, when the launch has
-    keys, comes from ``VLLM_API_KEY`` (``_VLLM_KEY``), never from the command line."""
-    from megatron_sat.rollout.vllm.args import server_args
-
-    cpu = plan.launch.device == "cpu"
-    return server_args(
-        ctx.model_path,
-        server.port,
+    """The argv (after the interpreter) of one rollout server listening on ``host``, built by
+    its engine (``rollout.engines.server_launch``); with per-job keys (``uses_keys``) an
+    SGLang-API server reads them from ``"$KEY_FILE"`` (``--config``)."""
+    start = ServerStart(
+        model_path=ctx.model_path,
         host=host,
-        backend="gloo" if cpu else "nccl",
-        dtype="float32" if cpu else "auto",
+        port=server.port,
         seed=ctx.seed + server.index,
-        tensor_parallel_size=plan.launch.rollout_server_tp,
-        enforce_eager=cpu,
-        enable_return_routed_experts=ctx.return_routed_experts,
-        extra_args=plan.launch.vllm_args,
+        key_config=Raw('"$KEY_FILE"') if uses_keys(plan) else None,
+        max_running_requests=ctx.max_running_requests,
+        return_routed_experts=ctx.return_routed_experts,
     )
+    return server_launch(plan.launch.rollout_engine).args(plan.launch, start)
 
 
 def server_python(plan: LaunchPlan) -> str:
-    """The interpreter of the rollout servers in a script: the vLLM environment's for vLLM
-    (``$VLLM_PY``), else the trainer's (``$PY``)."""
-    return '"$VLLM_PY"' if plan.launch.rollout_engine == "vllm" else '"$PY"'
+    """The interpreter of the rollout servers in a script: their engine's (vLLM's own
+    environment: ``$VLLM_PY``; else the trainer's, ``$PY``)."""
+    return server_launch(plan.launch.rollout_engine).python
 
 
 def _trainer_args(ctx: RenderContext) -> str:
@@ -232,36 +188,10 @@ def _preamble(plan: LaunchPlan, ctx: RenderContext, title: str) -> list[str]:
     ]
     lines += [f"export {k}={_q(v)}" for k, v in sorted(plan.launch.env.items())]
     lines += [_HEALTH_FUNCTION] + ([_KEYS_FUNCTION] if uses_keys(plan) else [])
-    if plan.launch.rollout_engine == "vllm":
-        lines += _vllm_preamble(plan, ctx)
+    preamble = server_launch(plan.launch.rollout_engine).preamble
+    if preamble is not None:
+        lines += preamble(ctx.vllm_python, uses_keys(plan))
     return lines
-
-
-def _vllm_preamble(plan: LaunchPlan, ctx: RenderContext) -> list[str]:
-    """The vLLM servers' interpreter (their own environment and pins), the dev-mode routes
-    (pause, resume, weight transfer), and with keys the API key in ``VLLM_API_KEY``."""
-    from megatron_sat.rollout.vllm.args import DEV_MODE_ENV
-
-    lines = [
-        "# vLLM servers run from their own environment (tools/vllm_env.sh makes the CPU one).",
-        f"VLLM_PY={_q(ctx.vllm_python)}",
-        '[[ -x "$VLLM_PY" ]] || { echo "no vLLM interpreter at $VLLM_PY (launch.vllm_env; '
-        'bash tools/vllm_env.sh makes the CPU one)" >&2; exit 1; }',
-    ]
-    lines += [f"export {k}={_q(v)}" for k, v in DEV_MODE_ENV.items()]
-    if uses_keys(plan):
-        lines += [_VLLM_KEY]
-    return lines
-
-
-# vLLM 0.32 takes --api-key or VLLM_API_KEY (entrypoints/serve/middleware/register.py); the
-# environment keeps the key off every command line. vLLM has no admin key: its
-# AuthenticationMiddleware guards only /v1, /v2, /inference and /cohere, so the weight and
-# pause routes of VLLM_SERVER_DEV_MODE stay open to whoever reaches the port.
-_VLLM_KEY = """API_KEY_PY='import sys, yaml; print(yaml.safe_load(open(sys.argv[1]))["api-key"])'
-VLLM_API_KEY="$("$PY" -c "$API_KEY_PY" "$KEY_FILE")"
-export VLLM_API_KEY
-"""
 
 
 def _devices(values: tuple[int, ...] | range) -> str:
@@ -429,9 +359,9 @@ def render_mpirun(plan: LaunchPlan, ctx: RenderContext) -> str:
     ]
     exports = " ".join(f"-x {k}" for k in ["PYTHONUNBUFFERED", *sorted(la.env)])
     # mpirun hands a remote rank only the variables named by -x (values taken from here).
-    server_exports = exports
-    if la.rollout_engine == "vllm":
-        server_exports += " -x VLLM_SERVER_DEV_MODE -x VLLM_API_KEY"
+    server_exports = exports + "".join(
+        f" -x {k}" for k in server_launch(la.rollout_engine).mpirun_env
+    )
     for s in plan.servers:
         host = hosts[s.node]
         log = f'"$LOG_DIR/server_{s.index}.log"'

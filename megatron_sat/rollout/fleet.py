@@ -39,6 +39,7 @@ from megatron_sat.rollout.auth import ServerKeys
 from megatron_sat.rollout.client import SGLangClient
 from megatron_sat.rollout.embedded.launch import EmbeddedServer
 from megatron_sat.weight_sync.broadcast import UpdateStats, WeightSyncError, WeightUpdater
+from megatron_sat.weight_sync.updater import BaseWeightUpdater
 
 logger = logging.getLogger("megatron_sat.rollout.fleet")
 
@@ -121,9 +122,9 @@ class RolloutFleet:
             one entry per client.
     """
 
-    # The weight push over the live members (a subclass for another engine replaces it:
-    # rollout.vllm.fleet.VLLMFleet).
-    updater_cls: type = WeightUpdater
+    # The weight push over the live members, an updater of weight_sync.updater's protocol (a
+    # subclass for another engine replaces it: rollout.vllm.fleet.VLLMFleet).
+    updater_cls: type[BaseWeightUpdater] = WeightUpdater
 
     def __init__(
         self,
@@ -149,7 +150,7 @@ class RolloutFleet:
         self.client_factory = client_factory or (lambda server: server.client())
         self.restarts = [0] * len(self.clients)
         self._live = set(range(len(self.clients)))
-        self._updater: WeightUpdater | None = None
+        self._updater: BaseWeightUpdater | None = None
         # A member that left makes the group unusable even if its slot is live again (a
         # restarted server is a new process that never joined it).
         self._group_stale = True

@@ -12,6 +12,7 @@ from megatron_sat.platform.device import get_device, weight_sync_backend
 from megatron_sat.rollout.auth import ServerKeys, load_server_keys
 from megatron_sat.rollout.client import SGLangClient
 from megatron_sat.rollout.embedded.launch import EmbeddedServer
+from megatron_sat.rollout.engines import ENGINES
 from megatron_sat.rollout.fleet import RolloutFleet
 from megatron_sat.weight_sync.options import weight_sync_options
 
@@ -25,7 +26,8 @@ def server_keys(cfg: RunConfig) -> ServerKeys | None:
 
 @contextlib.contextmanager
 def rollout_clients(cfg: RunConfig) -> Iterator[list[SGLangClient]]:
-    """Clients of the configured servers, starting embedded CPU servers when no URL is given."""
+    """SGLang clients of the configured servers (evaluation speaks SGLang's API), starting
+    embedded CPU servers when no URL is given."""
     if cfg.rollout.server_urls:
         keys = server_keys(cfg)
         clients = [SGLangClient(url, keys=keys) for url in cfg.rollout.server_urls]
@@ -48,26 +50,19 @@ def rollout_clients(cfg: RunConfig) -> Iterator[list[SGLangClient]]:
 
 
 def rollout_fleet(cfg: RunConfig) -> RolloutFleet:
-    """The configured servers as a fleet (``rollout.fleet``): the SGLang (with
-    ``rollout.engine=vllm``: vLLM, ``rollout.vllm.fleet``) servers of ``rollout.server_urls``
-    (reported, never restarted, when they die), else
+    """The configured servers as a fleet (``rollout.fleet``) of the engine
+    ``rollout.engine`` picks in ``rollout.engines.ENGINES``: the servers of
+    ``rollout.server_urls`` (reported, never restarted, when they die), else
     ``rollout.num_embedded_servers`` embedded CPU servers started here (restarted when they
-    die). Use it as a context manager: it stops the servers it started."""
+    die; they speak SGLang's API). Use it as a context manager: it stops the servers it
+    started."""
     options = sync_options(cfg, len(cfg.rollout.server_urls) or cfg.rollout.num_embedded_servers)
-    if cfg.rollout.engine == "vllm":
-        from megatron_sat.rollout.vllm.fleet import VLLMFleet
-
-        keys = server_keys(cfg)  # vLLM has one key level: its --api-key (VLLM_API_KEY)
-        return VLLMFleet.from_urls(
-            cfg.rollout.server_urls,
-            api_key=None if keys is None else keys.api_key,
-            updater_options=options,
+    spec = ENGINES[cfg.rollout.engine]
+    if cfg.rollout.server_urls or not spec.embedded:
+        return spec.fleet_from_urls(
+            cfg.rollout.server_urls, server_keys(cfg), updater_options=options
         )
-    if cfg.rollout.server_urls:
-        return RolloutFleet.from_urls(
-            cfg.rollout.server_urls, keys=server_keys(cfg), updater_options=options
-        )
-    return RolloutFleet.embedded(
+    return spec.fleet.embedded(
         cfg.init_checkpoint,
         cfg.rollout.num_embedded_servers,
         server_options=lambda i: {

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from megatron_sat.config import RunConfig
 from megatron_sat.rollout.client import SGLangClient
+from megatron_sat.rollout.engines import ENGINES
 from megatron_sat.training.trainer import PolicyTrainer
 from megatron_sat.weight_sync.broadcast import UpdateStats, WeightSyncError, WeightUpdater
 from megatron_sat.weight_sync.megatron_push import (
@@ -27,8 +28,11 @@ def uses_stage_senders(cfg: RunConfig) -> bool:
     (``weight_sync.megatron_push``, as slime): at PP > 1 with SGLang servers (embedded or by
     URL) each stage's sender rank (``is_stage_sender``) sends its own layers over its own
     group, so no rank gathers the other stages' layers. vLLM's updater has no per-stage
-    protocol here: a vLLM run at PP > 1 pushes rank 0's gathered export, as at PP = 1."""
-    return cfg.parallel.pipeline_model_parallel_size > 1 and cfg.rollout.engine == "sglang"
+    protocol here: a vLLM run at PP > 1 pushes rank 0's gathered export, as at PP = 1
+    (``EngineSpec.per_stage_push``)."""
+    return (
+        cfg.parallel.pipeline_model_parallel_size > 1 and ENGINES[cfg.rollout.engine].per_stage_push
+    )
 
 
 class StageExport:

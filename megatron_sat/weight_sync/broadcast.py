@@ -3,43 +3,25 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import threading
 import time
-import uuid
-from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
 
 import torch
 
 from megatron_sat.platform.host_copy import unpacked_from_bytes as platform_unpacked_from_bytes
-from megatron_sat.rollout.client import PAUSE_MODES, SGLangClient
 from megatron_sat.weight_sync.buckets import Bucket, BucketProducer, pack_order
-from megatron_sat.weight_sync.group import (
-    WeightUpdateGroup,
-    create_weight_update_group,
-    host_store,
+from megatron_sat.weight_sync.channel import PAUSE_MODES, SGLangUpdateChannel
+from megatron_sat.weight_sync.updater import (
+    BaseWeightUpdater,
+    UpdateStats,
+    WeightSyncError,
+    failure_lines,
 )
 
 __all__ = ["UpdateStats", "WeightSyncError", "WeightUpdater", "pack_order"]
 
 
-class WeightSyncError(RuntimeError):
-    """A weight push failed; the message names the servers, parameters and the servers' state."""
-
-
-@dataclass(frozen=True)
-class UpdateStats:
-    """What one ``WeightUpdater.update`` sent: tensors, bytes, buckets, wall seconds."""
-
-    num_tensors: int
-    num_bytes: int
-    num_buckets: int
-    seconds: float
-
-
-class WeightUpdater:
+class WeightUpdater(BaseWeightUpdater):
     """Pushes HF-named tensors from trainer rank 0 to every rollout server (SGLang's protocol).
 
     Setup, ``connect()``: rank 0 hosts a TCPStore (``master_port=None`` lets the OS pick the
@@ -118,7 +100,7 @@ class WeightUpdater:
 
     def __init__(
         self,
-        clients: Sequence[SGLangClient],
+        clients: Sequence[SGLangUpdateChannel],
         master_address: str = "127.0.0.1",
         master_port: int | None = None,
         group_name: str | None = None,
@@ -131,23 +113,19 @@ class WeightUpdater:
         flatten_buckets: bool = True,
         unpacked_from_bytes: int | None | str = "auto",
     ) -> None:
-        if not clients:
-            raise ValueError("clients must not be empty")
-        if bucket_bytes < 1:
-            raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
         if pause_mode not in PAUSE_MODES:
             raise ValueError(f"pause_mode must be one of {PAUSE_MODES}, got {pause_mode!r}")
-        self.ranks_per_server = list(ranks_per_server or [1] * len(clients))
-        if len(self.ranks_per_server) != len(clients) or min(self.ranks_per_server) < 1:
-            raise ValueError(f"ranks_per_server {self.ranks_per_server} for {len(clients)} servers")
-        self.clients = list(clients)
-        self.master_address = master_address
-        self.master_port = master_port
-        self.group_name = group_name or f"megatron_sat_weights_{uuid.uuid4().hex[:8]}"
-        self.backend = backend
-        self.bucket_bytes = bucket_bytes
-        self.pause_mode = pause_mode
-        self.timeout_s = timeout_s
+        super().__init__(
+            clients,
+            master_address,
+            master_port,
+            group_name,
+            backend,
+            bucket_bytes,
+            ranks_per_server=ranks_per_server,
+            pause_mode=pause_mode,
+            timeout_s=timeout_s,
+        )
         self.flatten_buckets = flatten_buckets
         if unpacked_from_bytes == "auto":
             unpacked_from_bytes = platform_unpacked_from_bytes(backend)
@@ -158,113 +136,34 @@ class WeightUpdater:
                 f"unpacked_from_bytes must be 'auto', None or >= 1, got {unpacked_from_bytes!r}"
             )
         self.unpacked_from_bytes = unpacked_from_bytes
-        self.world_size = 1 + sum(self.ranks_per_server)
-        self._pool = ThreadPoolExecutor(len(self.clients), thread_name_prefix="weight_sync")
-        self._group: WeightUpdateGroup | None = None
         # Buckets are packed here, reused across updates (grown on demand): a fresh buffer per
         # bucket costs its page faults, on a CPU about as long as the broadcast itself. Two:
         # bucket k+1 is packed into one while bucket k is broadcast from the other.
         self._staging: list[torch.Tensor | None] = [None, None]
-        self._loaded = False
-        self._began: list[SGLangClient] = []
 
-    def __enter__(self) -> WeightUpdater:
-        self.connect()
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        self.close()
-
-    def connect(self) -> None:
-        """Form the group with every server (blocks until all joined, up to ``timeout_s``).
-
-        Raises:
-            WeightSyncError: naming each server that failed to join.
-        """
-        if self._group is not None:
-            raise RuntimeError("WeightUpdater is already connected")
-        store = host_store(
-            self.master_address, self.master_port or 0, self.world_size, self.timeout_s
+    # -- SGLang's calls -----------------------------------------------------------------------
+    def _join(self, channel: SGLangUpdateChannel, port: int, rank_offset: int) -> None:
+        channel.init_weights_update_group(
+            self.master_address,
+            port,
+            rank_offset,
+            self.world_size,
+            self.group_name,
+            self.backend,
         )
-        offsets = [1 + sum(self.ranks_per_server[:i]) for i in range(len(self.clients))]
-        futures = [
-            self._pool.submit(
-                c.init_weights_update_group,
-                self.master_address,
-                store.port,
-                offset,
-                self.world_size,
-                self.group_name,
-                self.backend,
-            )
-            for c, offset in zip(self.clients, offsets, strict=True)
-        ]
-        # Rank 0 joins on a daemon thread so that a server that refuses to join fails connect()
-        # now, instead of after the rendezvous timeout (the thread then times out on its own).
-        built: dict[str, object] = {}
 
-        def build() -> None:
-            try:
-                built["group"] = create_weight_update_group(
-                    self.master_address,
-                    store.port,
-                    rank=0,
-                    world_size=self.world_size,
-                    group_name=self.group_name,
-                    backend=self.backend,
-                    timeout_s=self.timeout_s,
-                    store=store,
-                )
-            except Exception as e:
-                built["error"] = e
+    def _begin(self, channel: SGLangUpdateChannel) -> None:
+        channel.begin_weight_update()
 
-        thread = threading.Thread(target=build, name="weight_group_rank0", daemon=True)
-        thread.start()
-        self._raise_failures("init_weights_update_group", futures)
-        thread.join()
-        if "error" in built:
-            raise WeightSyncError(f"rank 0 failed to join {self.group_name!r}: {built['error']!r}")
-        self._group = built["group"]
+    def _end(self, channel: SGLangUpdateChannel, weight_version: str | None) -> None:
+        del weight_version  # SGLang's version travels with the last bucket
+        channel.end_weight_update()
 
-    def update(
-        self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: str
-    ) -> UpdateStats:
-        """Push every tensor (HF names, e.g. per-expert ``mlp.experts.{e}.up_proj.weight``):
-        ``begin_update``, ``send_buckets`` (the version with the last bucket), ``end_update``.
+    def _leave(self, channel: SGLangUpdateChannel) -> None:
+        channel.destroy_weights_update_group(self.group_name)
 
-        Raises:
-            ValueError: on an empty update, an empty version or a repeated name.
-            WeightSyncError: when a server rejects a bucket or a call fails (see class docstring).
-        """
-        if not weight_version:
-            raise ValueError("weight_version must be a non-empty string")
-        start = time.perf_counter()
-        self.begin_update()
-        try:
-            stats = self.send_buckets(named_tensors, weight_version)
-        except BaseException as e:
-            self.end_update(e)
-            raise  # end_update raised already; this is for type checkers
-        self.end_update()
-        return dataclasses.replace(stats, seconds=time.perf_counter() - start)
-
-    def begin_update(self) -> None:
-        """Step 1 on every server: ``/pause_generation``, then ``/begin_weight_update``.
-
-        Raises:
-            RuntimeError: when not connected.
-            WeightSyncError: a call failed; the sessions that opened were ended and
-                generation resumed (nothing changed on any server).
-        """
-        if self._group is None:
-            raise RuntimeError("call connect() before update()")
-        self._loaded = False
-        self._began = []
-        try:
-            self._on_all_servers("pause_generation", lambda c: c.pause_generation(self.pause_mode))
-            self._begin_sessions(self._began)
-        except WeightSyncError as e:
-            self.end_update(e)
+    def _release_staging(self) -> None:
+        self._staging = [None, None]
 
     def send_buckets(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: str | None
@@ -326,56 +225,6 @@ class WeightUpdater:
             raise ValueError("update() got no tensors")
         return UpdateStats(num_tensors, num_bytes, num_buckets, time.perf_counter() - start)
 
-    @property
-    def loaded_any(self) -> bool:
-        """Whether some server loaded a bucket of the last ``send_buckets``."""
-        return self._loaded
-
-    def end_update(self, error: BaseException | None = None, *, loaded_elsewhere: bool = False):
-        """Step 3 on every server: ``/end_weight_update`` where a session is open, then
-        ``/continue_generation`` -- unless the update failed (``error``) after some server
-        loaded a bucket (here, or through another sender: ``loaded_elsewhere``): the servers
-        then stay paused with mixed weights under their old version until a retry.
-
-        Raises:
-            WeightSyncError: a call failed (after a successful update); or, given ``error``,
-                always: ``error`` itself when it is neither a ``WeightSyncError`` nor a
-                ``ValueError`` (an interrupt, the export's collective), else a
-                ``WeightSyncError`` that says in which state the servers are (a
-                ``ValueError`` raised before anything loaded is re-raised as is).
-        """
-        began, self._began = self._began, []
-        loaded = self._loaded or loaded_elsewhere
-        if error is None:
-            self._on_servers("end_weight_update", began, lambda c: c.end_weight_update())
-            self._on_all_servers("continue_generation", lambda c: c.continue_generation())
-            return
-        if not isinstance(error, (WeightSyncError, ValueError)):
-            # Anything else (the tensor source's gather collective, a CUDA OOM while staging,
-            # an interrupt) still ends the open sessions, or every retry's /begin_weight_update
-            # would be refused; servers that loaded a bucket stay paused, as above.
-            with contextlib.suppress(WeightSyncError):
-                if began:
-                    self._on_servers("end_weight_update", began, lambda c: c.end_weight_update())
-                if not loaded:
-                    self._on_all_servers("continue_generation", lambda c: c.continue_generation())
-            raise error
-        e = error
-        if began:
-            try:
-                self._on_servers("end_weight_update", began, lambda c: c.end_weight_update())
-            except WeightSyncError as end_error:
-                e = WeightSyncError(f"{e}\n{end_error}")
-        if loaded:
-            raise WeightSyncError(
-                f"{e}\nSome servers already loaded earlier buckets; all servers stay paused "
-                "with mixed weights under their old weight_version: retry update()."
-            ) from error
-        self._on_all_servers("continue_generation", lambda c: c.continue_generation())
-        if isinstance(e, ValueError):
-            raise e
-        raise WeightSyncError(f"{e}\nNo server changed weights; generation resumed.") from error
-
     def _send_bucket(self, bucket: Bucket, weight_version: str | None) -> tuple[int, list[str]]:
         """Post one bucket to all servers while broadcasting it.
 
@@ -409,7 +258,7 @@ class WeightUpdater:
                     work.wait()
         except RuntimeError as e:  # gloo/nccl timeout or a peer that went away
             broadcast_error = e
-        failures = _failures(self.clients, futures)
+        failures = failure_lines(self.clients, futures)
         num_loaded = len(self.clients) - len(failures)
         if broadcast_error is not None:
             failures.append(
@@ -418,56 +267,45 @@ class WeightUpdater:
             )
         return num_loaded, failures
 
-    def _begin_sessions(self, began: list[SGLangClient]) -> None:
-        """``/begin_weight_update`` on every server; ``began`` gets those that opened one."""
-        futures = [self._pool.submit(c.begin_weight_update) for c in self.clients]
-        for client, future in zip(self.clients, futures, strict=True):
-            if future.exception() is None:
-                began.append(client)
-        self._raise_failures("begin_weight_update", futures)
-
-    def _on_all_servers(self, what: str, call: Callable[[SGLangClient], None]) -> None:
-        self._on_servers(what, self.clients, call)
-
-    def _on_servers(
-        self, what: str, clients: Sequence[SGLangClient], call: Callable[[SGLangClient], None]
-    ) -> None:
-        self._raise_failures(what, [self._pool.submit(call, c) for c in clients], clients)
-
-    def _raise_failures(
-        self, what: str, futures: list[Future], clients: Sequence[SGLangClient] | None = None
-    ) -> None:
-        failures = _failures(self.clients if clients is None else clients, futures)
-        if failures:
-            raise WeightSyncError(f"{what} failed:\n" + "\n".join(failures))
-
-    def close(self) -> None:
-        """Destroy the group on every server and here; safe to call twice.
+    def _fail(self, error: BaseException, loaded: bool) -> None:
+        """After a failed update: ``/end_weight_update`` where a session is open, then
+        ``/continue_generation`` unless some server loaded a bucket (here, or through another
+        sender: ``end_update``'s ``loaded_elsewhere``): the servers then stay paused with
+        mixed weights under their old version until a retry.
 
         Raises:
-            WeightSyncError: naming servers that failed to destroy their side (the local side
-                and the thread pool are released regardless).
+            always: ``error`` itself when it is neither a ``WeightSyncError`` nor a
+            ``ValueError`` (an interrupt, the export's collective), else a
+            ``WeightSyncError`` that says in which state the servers are (a ``ValueError``
+            raised before anything loaded is re-raised as is).
         """
-        try:
-            if self._group is not None:
-                self._on_all_servers(
-                    "destroy_weights_update_group",
-                    lambda c: c.destroy_weights_update_group(self.group_name),
-                )
-        finally:
-            if self._group is not None:
-                self._group.destroy()
-                self._group = None
-            self._staging = [None, None]
-            self._pool.shutdown(wait=True)
+        began, self._open = self._open, []
+        end = self.calls["end"]
+        if not isinstance(error, (WeightSyncError, ValueError)):
+            # Anything else (the tensor source's gather collective, a CUDA OOM while staging,
+            # an interrupt) still ends the open sessions, or every retry's /begin_weight_update
+            # would be refused; servers that loaded a bucket stay paused, as above.
+            with contextlib.suppress(WeightSyncError):
+                if began:
+                    self._on_servers(end, began, lambda c: c.end_weight_update())
+                if not loaded:
+                    self._resume_all()
+            raise error
+        e = error
+        if began:
+            try:
+                self._on_servers(end, began, lambda c: c.end_weight_update())
+            except WeightSyncError as end_error:
+                e = WeightSyncError(f"{e}\n{end_error}")
+        if loaded:
+            raise WeightSyncError(
+                f"{e}\nSome servers already loaded earlier buckets; all servers stay paused "
+                "with mixed weights under their old weight_version: retry update()."
+            ) from error
+        self._resume_all()
+        if isinstance(e, ValueError):
+            raise e
+        raise WeightSyncError(f"{e}\nNo server changed weights; generation resumed.") from error
 
-
-def _failures(clients: Sequence[SGLangClient], futures: Sequence[Future]) -> list[str]:
-    """Wait for every future; one line per failed server."""
-    lines = []
-    for client, future in zip(clients, futures, strict=True):
-        try:
-            future.result()
-        except Exception as e:
-            lines.append(f"  {client.base_url}: {e}")
-    return lines
+    def _resume_all(self) -> None:
+        self._on_servers(self.calls["resume"], self.clients, lambda c: c.continue_generation())

@@ -1,8 +1,8 @@
 """Push a sharded megatron-core model to the rollout servers from every trainer rank at once.
 
-A :class:`~megatron_sat.weight_sync.broadcast.WeightUpdater` lives in one process, but the full
-HF tensors it sends only exist after collectives over the TP and EP groups (and, with one
-sender for the whole model, the PP group:
+A weight updater (:class:`~megatron_sat.weight_sync.updater.BaseWeightUpdater`) lives in one
+process, but the full HF tensors it sends only exist after collectives over the TP and EP
+groups (and, with one sender for the whole model, the PP group:
 :func:`~megatron_sat.checkpoint.sharding.export_hf_tensors`). So every trainer rank calls
 :func:`push_megatron_weights` at the same point: all of them walk the export, and the rank(s)
 holding an updater feed it the tensors as they come, while the others discard them. At PP > 1
@@ -19,13 +19,13 @@ import torch
 import torch.distributed as dist
 
 from megatron_sat.checkpoint.sharding import export_hf_tensors, export_stage_hf_tensors
-from megatron_sat.weight_sync.broadcast import UpdateStats, WeightSyncError, WeightUpdater
+from megatron_sat.weight_sync.updater import BaseWeightUpdater, UpdateStats, WeightSyncError
 
 
 def push_megatron_weights(
     model: torch.nn.Module,
     hf_config: Mapping[str, Any],
-    updater: WeightUpdater | None,
+    updater: BaseWeightUpdater | None,
     weight_version: str,
 ) -> UpdateStats | None:
     """Send this trainer's weights to the servers of ``updater``; call on every trainer rank.
@@ -184,7 +184,7 @@ def is_stage_sender() -> bool:
     return ps.get_pipeline_model_parallel_first_rank() == 0
 
 
-def connect_in_stage_order(updater: WeightUpdater | None) -> None:
+def connect_in_stage_order(updater: BaseWeightUpdater | None) -> None:
     """``updater.connect()`` on every stage sender, one stage after the other (a collective on
     the world group: every rank calls it): the servers then join the stages' groups in one
     order, one rendezvous at a time (a server's ranks handle one ``/init_weights_update_group``

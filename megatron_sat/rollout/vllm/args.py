@@ -12,10 +12,15 @@ resume and weight routes).
 from __future__ import annotations
 
 import json
+import shlex
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from megatron_sat.config.launch import VLLM_SERVER_FLAGS
+from megatron_sat.config.launch import VLLM_SERVER_FLAGS, LaunchConfig
+
+if TYPE_CHECKING:
+    from megatron_sat.rollout.engines import ServerStart
 
 # Our weight-transfer backends by torch.distributed backend: the gloo one is ours
 # (registered through the vllm.general_plugins entry point), nccl is vLLM's.
@@ -78,3 +83,50 @@ def server_args(
     if enable_return_routed_experts:
         cmd.append("--enable-return-routed-experts")
     return cmd + list(extra_args)
+
+
+def launch_args(launch: LaunchConfig, start: ServerStart) -> list[str]:
+    """One vLLM server of a launch script (``server_args``, as the tests start it): gloo
+    weight transfer and eager fp32 on CPU, nccl on CUDA. Its key, when the launch has keys,
+    comes from ``VLLM_API_KEY`` (``launch_preamble``), never from the command line."""
+    cpu = launch.device == "cpu"
+    return server_args(
+        start.model_path,
+        start.port,
+        host=start.host,
+        backend="gloo" if cpu else "nccl",
+        dtype="float32" if cpu else "auto",
+        seed=start.seed,
+        tensor_parallel_size=launch.rollout_server_tp,
+        enforce_eager=cpu,
+        enable_return_routed_experts=start.return_routed_experts,
+        extra_args=launch.vllm_args,
+    )
+
+
+# vLLM 0.32 takes --api-key or VLLM_API_KEY (entrypoints/serve/middleware/register.py); the
+# environment keeps the key off every command line. vLLM has no admin key: its
+# AuthenticationMiddleware guards only /v1, /v2, /inference and /cohere, so the weight and
+# pause routes of VLLM_SERVER_DEV_MODE stay open to whoever reaches the port.
+_VLLM_KEY = """API_KEY_PY='import sys, yaml; print(yaml.safe_load(open(sys.argv[1]))["api-key"])'
+VLLM_API_KEY="$("$PY" -c "$API_KEY_PY" "$KEY_FILE")"
+export VLLM_API_KEY
+"""
+# What mpirun must hand a remote vLLM server besides the launch's own variables.
+MPIRUN_ENV = ("VLLM_SERVER_DEV_MODE", "VLLM_API_KEY")
+
+
+def launch_preamble(vllm_python: str | None, keys: bool) -> list[str]:
+    """The vLLM servers' interpreter (their own environment and pins: ``$VLLM_PY``), the
+    dev-mode routes (pause, resume, weight transfer), and with keys the API key in
+    ``VLLM_API_KEY``."""
+    lines = [
+        "# vLLM servers run from their own environment (tools/vllm_env.sh makes the CPU one).",
+        f"VLLM_PY={shlex.quote(str(vllm_python))}",
+        '[[ -x "$VLLM_PY" ]] || { echo "no vLLM interpreter at $VLLM_PY (launch.vllm_env; '
+        'bash tools/vllm_env.sh makes the CPU one)" >&2; exit 1; }',
+    ]
+    lines += [f"export {k}={shlex.quote(v)}" for k, v in DEV_MODE_ENV.items()]
+    if keys:
+        lines += [_VLLM_KEY]
+    return lines

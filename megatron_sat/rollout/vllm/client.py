@@ -39,18 +39,16 @@ from typing import Any
 import httpx
 import numpy as np
 
-from megatron_sat.rollout.client import (
-    PAUSE_MODES,
+from megatron_sat.rollout.engine import (
     RETRY_TRANSPORT_ERRORS,
-    GenerateOutput,
-    RoutingSpec,
-    SamplingParams,
+    HTTPClient,
     SGLangError,
     SGLangRequestError,
-    check_client_options,
-    is_batch,
-    request_with_retries,
+    per_prompt_params,
+    prompt_batch,
 )
+from megatron_sat.rollout.sampling import GenerateOutput, RoutingSpec, SamplingParams
+from megatron_sat.weight_sync.channel import PAUSE_MODES
 
 # vLLM's pause modes (vllm/v1/engine PauseMode).
 VLLM_PAUSE_MODES = ("abort", "wait", "keep")
@@ -85,8 +83,11 @@ def decode_vllm_routed_experts(payload: str, num_tokens: int, routing: RoutingSp
     return array.astype(np.uint8 if routing.num_experts <= 256 else np.int16)
 
 
-class VLLMClient:
-    """Blocking, thread-safe client of one vLLM server.
+class VLLMClient(HTTPClient):
+    """Blocking, thread-safe client of one vLLM server (``rollout.engine.RolloutClient``).
+
+    vLLM answers GET /health (``health``) from the engine's error state
+    (``EngineClient.check_health``), without generating: at once, paused or not.
 
     Args:
         base_url: e.g. "http://127.0.0.1:8000".
@@ -96,6 +97,12 @@ class VLLMClient:
         max_concurrency: requests of one batch in flight at once (vLLM batches them).
         api_key: sent as ``Authorization: Bearer`` (vLLM's ``--api-key``), or None.
     """
+
+    error = VLLMError
+    request_error = VLLMRequestError
+    # vLLM closes a kept-alive connection after a route raised (HTTP 500), so the next call on
+    # it reads a reset: a fresh connection is the retry.
+    retry_on = (*RETRY_TRANSPORT_ERRORS, httpx.ReadError, httpx.RemoteProtocolError)
 
     def __init__(
         self,
@@ -107,27 +114,22 @@ class VLLMClient:
         max_concurrency: int = 64,
         api_key: str | None = None,
     ) -> None:
-        check_client_options(timeout_s, max_retries)
         if max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
-        self.base_url = base_url.rstrip("/")
-        self.timeout_s = timeout_s
-        self.max_retries = max_retries
-        self.retry_backoff_s = retry_backoff_s
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
-        limits = httpx.Limits(max_connections=max_concurrency + 4)
-        self._http = httpx.Client(
-            base_url=self.base_url, timeout=timeout_s, headers=headers, limits=limits
+        super().__init__(
+            base_url,
+            timeout_s,
+            max_retries=max_retries,
+            retry_backoff_s=retry_backoff_s,
+            headers={"Authorization": f"Bearer {api_key}"} if api_key else None,
+            limits=httpx.Limits(max_connections=max_concurrency + 4),
         )
         self._pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="vllm_client")
-
-    def __repr__(self) -> str:
-        return f"VLLMClient({self.base_url!r})"
 
     def close(self) -> None:
         """Close the connection pool and the request threads."""
         self._pool.shutdown(wait=True)
-        self._http.close()
+        super().close()
 
     # ---- generation -------------------------------------------------------------------------
 
@@ -166,14 +168,8 @@ class VLLMClient:
                 context; the message names the prompt's index in the batch).
             VLLMError: on other HTTP errors, or no routed_experts when asked for (with why).
         """
-        batch = [list(p) for p in input_ids] if is_batch(input_ids) else [list(input_ids)]
-        if not batch or any(len(p) == 0 for p in batch):
-            raise ValueError("every prompt needs at least one token")
-        per_prompt = (
-            [sampling] * len(batch) if isinstance(sampling, SamplingParams) else list(sampling)
-        )
-        if len(per_prompt) != len(batch):
-            raise ValueError(f"{len(per_prompt)} sampling params for {len(batch)} prompts")
+        batch = prompt_batch(input_ids)
+        per_prompt = per_prompt_params(sampling, len(batch))
         for params in per_prompt:
             if params.top_p < 1 or params.top_k != -1:
                 raise ValueError(
@@ -297,15 +293,6 @@ class VLLMClient:
 
     # ---- status -----------------------------------------------------------------------------
 
-    def health(self, timeout_s: float | None = None) -> bool:
-        """GET /health: True on HTTP 200. vLLM answers it from the engine's error state
-        (``EngineClient.check_health``), without generating: at once, paused or not."""
-        try:
-            timeout = self.timeout_s if timeout_s is None else timeout_s
-            return self._http.get("/health", timeout=timeout).status_code == 200
-        except httpx.TransportError:
-            return False
-
     def get_weight_version(self) -> str:
         """GET /weight_info's ``weight_version`` ("default" until one is set)."""
         info = self._request("GET", "/weight_info", None, retry=True).json()
@@ -368,26 +355,6 @@ class VLLMClient:
     def shutdown_weight_transfer_engine(self) -> None:
         """POST /shutdown_weight_transfer_engine (leave the group; inference goes on)."""
         self._request("POST", "/shutdown_weight_transfer_engine", {})
-
-    # ---- plumbing ---------------------------------------------------------------------------
-
-    def _request(
-        self, method: str, endpoint: str, body: Any, *, retry: bool = False
-    ) -> httpx.Response:
-        """Send one call; raise VLLMError naming URL and endpoint on failure."""
-        return request_with_retries(
-            self._http,
-            method,
-            endpoint,
-            body,
-            attempts=1 + (self.max_retries if retry else 0),
-            backoff_s=self.retry_backoff_s,
-            # vLLM closes a kept-alive connection after a route raised (HTTP 500), so the next
-            # call on it reads a reset: a fresh connection is the retry.
-            retry_on=(*RETRY_TRANSPORT_ERRORS, httpx.ReadError, httpx.RemoteProtocolError),
-            error=VLLMError,
-            request_error=VLLMRequestError,
-        )
 
 
 def token_versions(output: GenerateOutput) -> list[str]:

@@ -37,23 +37,30 @@ old ones under the old version, so they stay paused and ``WeightSyncError`` says
 from __future__ import annotations
 
 import socket
-import threading
 import time
-import uuid
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, Protocol
 
 import torch
 
 from megatron_sat.rollout.vllm.args import VLLM_BACKENDS
-from megatron_sat.rollout.vllm.client import VLLMClient
-from megatron_sat.weight_sync.broadcast import UpdateStats, WeightSyncError, pack_order
-from megatron_sat.weight_sync.group import (
-    WeightUpdateGroup,
-    create_weight_update_group,
-    host_store,
-)
+from megatron_sat.weight_sync.broadcast import pack_order
+from megatron_sat.weight_sync.channel import UpdateChannel
+from megatron_sat.weight_sync.updater import BaseWeightUpdater, UpdateStats, WeightSyncError
+
+
+class VLLMUpdateChannel(UpdateChannel, Protocol):
+    """vLLM 0.32's weight-transfer session (``rollout.vllm.client.VLLMClient`` has it)."""
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None: ...
+
+    def start_weight_update(self) -> None: ...
+
+    def update_weights(self, update_info: dict[str, Any]) -> None: ...
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None: ...
+
+    def shutdown_weight_transfer_engine(self) -> None: ...
 
 
 def layer_key(name: str) -> str:
@@ -95,11 +102,11 @@ def layer_buckets(
         yield bucket
 
 
-class VLLMWeightUpdater:
+class VLLMWeightUpdater(BaseWeightUpdater):
     """Pushes HF-named tensors from trainer rank 0 to vLLM servers (module docstring).
 
     Args:
-        clients: one client per server.
+        clients: one channel per server.
         master_address: the trainer's address as the servers see it.
         master_port: the group's TCP port; None lets the OS choose.
         group_name: gloo group name; default a fresh ``megatron_sat_vllm_<hex>``.
@@ -112,9 +119,20 @@ class VLLMWeightUpdater:
             tensor per bucket, nccl one broadcast per tensor.
     """
 
+    group_prefix = "megatron_sat_vllm_"
+    thread_name = "vllm_weight_sync"
+    calls = {
+        "join": "init_weight_transfer_engine",
+        "pause": "pause",
+        "begin": "start_weight_update",
+        "end": "finish_weight_update",
+        "resume": "resume",
+        "leave": "shutdown_weight_transfer_engine",
+    }
+
     def __init__(
         self,
-        clients: Sequence[VLLMClient],
+        clients: Sequence[VLLMUpdateChannel],
         master_address: str = "127.0.0.1",
         master_port: int | None = None,
         group_name: str | None = None,
@@ -127,189 +145,139 @@ class VLLMWeightUpdater:
         flatten_buckets: bool = True,
     ) -> None:
         del flatten_buckets
-        if not clients:
-            raise ValueError("clients must not be empty")
-        if backend not in VLLM_BACKENDS:
+        if clients and backend not in VLLM_BACKENDS:
             raise ValueError(f"backend must be one of {sorted(VLLM_BACKENDS)}, got {backend!r}")
-        if bucket_bytes < 1:
-            raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
-        self.ranks_per_server = list(ranks_per_server or [1] * len(clients))
-        if len(self.ranks_per_server) != len(clients) or min(self.ranks_per_server) < 1:
-            raise ValueError(f"ranks_per_server {self.ranks_per_server} for {len(clients)} servers")
-        if backend == "nccl" and not master_port:
+        if backend == "nccl" and not master_port and clients:
             # vLLM's nccl rendezvous (StatelessProcessGroup) needs the port up front.
             with socket.socket() as sock:
                 sock.bind((master_address, 0))
                 master_port = sock.getsockname()[1]
-        self.clients = list(clients)
-        self.master_address = master_address
-        self.master_port = master_port
-        self.group_name = group_name or f"megatron_sat_vllm_{uuid.uuid4().hex[:8]}"
-        self.backend = backend
-        self.bucket_bytes = bucket_bytes
-        self.pause_mode = pause_mode
-        self.timeout_s = timeout_s
-        self.world_size = 1 + sum(self.ranks_per_server)
-        self._pool = ThreadPoolExecutor(len(self.clients), thread_name_prefix="vllm_weight_sync")
-        self._group: WeightUpdateGroup | Any | None = None
+        super().__init__(
+            clients,
+            master_address,
+            master_port,
+            group_name,
+            backend,
+            bucket_bytes,
+            ranks_per_server=ranks_per_server,
+            pause_mode=pause_mode,
+            timeout_s=timeout_s,
+        )
         self._staging: torch.Tensor | None = None
+        self._version: str | None = None
 
-    def __enter__(self) -> VLLMWeightUpdater:
-        self.connect()
-        return self
+    # -- vLLM's calls -------------------------------------------------------------------------
+    def _host_store(self) -> Any:
+        return super()._host_store() if self.backend == "gloo" else None
 
-    def __exit__(self, exc_type, exc, tb) -> None:
-        self.close()
-
-    # -- set-up -------------------------------------------------------------------------------
-    def connect(self) -> None:
-        """Form the group with every server's workers (blocks until all joined).
-
-        Raises:
-            WeightSyncError: naming each server that failed to join.
-        """
-        if self._group is not None:
-            raise RuntimeError("VLLMWeightUpdater is already connected")
-        offsets = [1 + sum(self.ranks_per_server[:i]) for i in range(len(self.clients))]
-        store = None
+    def _rank0_group(self, port: int, store: Any) -> Any:
         if self.backend == "gloo":
-            store = host_store(
-                self.master_address, self.master_port or 0, self.world_size, self.timeout_s
-            )
-            port = store.port
-        else:
-            port = self.master_port
+            return super()._rank0_group(port, store)
+        # vLLM's own trainer end of its nccl backend
+        from vllm.distributed.weight_transfer.nccl_common import trainer_init
 
-        def init_info(offset: int) -> dict[str, Any]:
-            info: dict[str, Any] = {
+        return trainer_init(
+            {
                 "master_address": self.master_address,
                 "master_port": port,
-                "rank_offset": offset,
                 "world_size": self.world_size,
             }
-            if self.backend == "gloo":
-                info.update(group_name=self.group_name, timeout_s=self.timeout_s)
-            else:
-                info["packed"] = False
-            return info
+        )
 
-        futures = [
-            self._pool.submit(c.init_weight_transfer_engine, init_info(offset))
-            for c, offset in zip(self.clients, offsets, strict=True)
-        ]
-        built: dict[str, Any] = {}
+    def _join(self, channel: VLLMUpdateChannel, port: int, rank_offset: int) -> None:
+        info: dict[str, Any] = {
+            "master_address": self.master_address,
+            "master_port": port,
+            "rank_offset": rank_offset,
+            "world_size": self.world_size,
+        }
+        if self.backend == "gloo":
+            info.update(group_name=self.group_name, timeout_s=self.timeout_s)
+        else:
+            info["packed"] = False
+        channel.init_weight_transfer_engine(info)
 
-        def build() -> None:
-            try:
-                if self.backend == "gloo":
-                    built["group"] = create_weight_update_group(
-                        self.master_address,
-                        port,
-                        rank=0,
-                        world_size=self.world_size,
-                        group_name=self.group_name,
-                        backend="gloo",
-                        timeout_s=self.timeout_s,
-                        store=store,
-                    )
-                else:  # vLLM's own trainer end of its nccl backend
-                    from vllm.distributed.weight_transfer.nccl_common import trainer_init
+    def _begin(self, channel: VLLMUpdateChannel) -> None:
+        channel.start_weight_update()
 
-                    built["group"] = trainer_init(
-                        {
-                            "master_address": self.master_address,
-                            "master_port": port,
-                            "world_size": self.world_size,
-                        }
-                    )
-            except Exception as e:
-                built["error"] = e
+    def _end(self, channel: VLLMUpdateChannel, weight_version: str | None) -> None:
+        channel.finish_weight_update(weight_version)
 
-        # Rank 0 joins on a daemon thread so a server that refuses to join fails connect() now.
-        thread = threading.Thread(target=build, name="vllm_weight_group_rank0", daemon=True)
-        thread.start()
-        self._raise_failures("init_weight_transfer_engine", futures)
-        thread.join()
-        if "error" in built:
-            raise WeightSyncError(f"rank 0 failed to join {self.group_name!r}: {built['error']!r}")
-        self._group = built["group"]
+    def _after_sessions(self) -> None:
+        if self.pause_mode not in ("keep", "in_place"):  # those keep their KV on purpose
+            self._on_servers("reset_prefix_cache", self.clients, lambda c: c.flush_cache())
+
+    def _leave(self, channel: VLLMUpdateChannel) -> None:
+        channel.shutdown_weight_transfer_engine()
+
+    def _release_staging(self) -> None:
+        self._staging = None
 
     # -- one update ---------------------------------------------------------------------------
-    def update(
-        self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: str
+    def send_buckets(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: str | None
     ) -> UpdateStats:
-        """Push every tensor and set ``weight_version`` with the last bucket.
+        """Step 2: the layer buckets (module docstring); vLLM sets ``weight_version`` when the
+        sessions finish (``end_update``), so it is not sent here.
 
         Raises:
-            ValueError: on an empty update, an empty version or a repeated name.
-            WeightSyncError: when a server rejects a bucket or a call fails (module docstring).
+            ValueError: on no tensors or a repeated name.
+            WeightSyncError: a server rejected a bucket or the broadcast failed.
         """
-        if self._group is None:
-            raise RuntimeError("call connect() before update()")
-        if not weight_version:
-            raise ValueError("weight_version must be a non-empty string")
+        self._version = weight_version  # for the retry advice of a failure
         start = time.perf_counter()
         num_tensors = num_bytes = num_buckets = 0
-        loaded_somewhere = False
-        open_sessions: set[int] = set()
-        try:
-            self._on_all("pause", lambda c: c.pause_generation(self.pause_mode))
-            futures = [self._pool.submit(c.start_weight_update) for c in self.clients]
-            for i, future in enumerate(futures):
-                if future.exception() is None:
-                    open_sessions.add(i)
-            self._raise_failures("start_weight_update", futures)
-            seen: set[str] = set()
-            for bucket in layer_buckets(named_tensors, self.bucket_bytes):
-                bucket = pack_order(bucket)
-                for name, _ in bucket:
-                    if name in seen:
-                        raise ValueError(f"tensor {name!r} appears twice in one update")
-                    seen.add(name)
-                failed = self._send_bucket(bucket, open_sessions)
-                loaded_somewhere |= len(failed) < len(self.clients)
-                if failed:
-                    raise WeightSyncError("update_weights failed:\n" + "\n".join(failed))
-                num_buckets += 1
-                num_tensors += len(bucket)
-                num_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
-            if num_buckets == 0:
-                raise ValueError("update() got no tensors")
-            futures = [
-                self._pool.submit(c.finish_weight_update, weight_version) for c in self.clients
-            ]
-            for i, future in enumerate(futures):
-                if future.exception() is None:
-                    open_sessions.discard(i)
-            self._raise_failures("finish_weight_update", futures)
-            if self.pause_mode not in ("keep", "in_place"):  # those keep their KV on purpose
-                self._on_all("reset_prefix_cache", lambda c: c.flush_cache())
-            self._on_all("resume", lambda c: c.continue_generation())
-        except (WeightSyncError, ValueError) as e:
-            self._end_sessions(open_sessions)
-            if not loaded_somewhere:
-                try:
-                    self._on_all("resume", lambda c: c.continue_generation())
-                except WeightSyncError as resume_error:
-                    raise WeightSyncError(f"{e}\nresuming afterwards: {resume_error}") from e
-                if isinstance(e, ValueError):
-                    raise
-                raise WeightSyncError(
-                    f"{e}\nno bucket was loaded: weights and weight_version are unchanged, "
-                    "generation resumed"
-                ) from e
-            raise WeightSyncError(
-                f"{e}\nsome buckets were loaded: the servers hold whole layers of new weights "
-                f"next to old ones under their old weight_version and stay paused; retry "
-                f"update({weight_version!r})"
-            ) from e
+        seen: set[str] = set()
+        for bucket in layer_buckets(named_tensors, self.bucket_bytes):
+            bucket = pack_order(bucket)
+            for name, _ in bucket:
+                if name in seen:
+                    raise ValueError(f"tensor {name!r} appears twice in one update")
+                seen.add(name)
+            failed = self._send_bucket(bucket)
+            self._loaded |= len(failed) < len(self.clients)
+            if failed:
+                raise WeightSyncError("update_weights failed:\n" + "\n".join(failed))
+            num_buckets += 1
+            num_tensors += len(bucket)
+            num_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
+        if num_buckets == 0:
+            raise ValueError("update() got no tensors")
         return UpdateStats(num_tensors, num_bytes, num_buckets, time.perf_counter() - start)
 
-    def _send_bucket(
-        self, bucket: list[tuple[str, torch.Tensor]], open_sessions: set[int]
-    ) -> list[str]:
+    def _end_failed(self, error: WeightSyncError) -> None:
+        self._fail(error, loaded=True)
+
+    def _fail(self, error: BaseException, loaded: bool) -> None:
+        """Sessions still open are finished without a version (best effort: a server that
+        cannot is reported by the next ``start_weight_update``); generation resumes when no
+        bucket loaded, else the servers stay paused. Errors other than ``WeightSyncError``
+        and ``ValueError`` propagate as they are."""
+        if not isinstance(error, (WeightSyncError, ValueError)):
+            raise error
+        open_, self._open = self._open, []
+        for future in [self._pool.submit(c.finish_weight_update, None) for c in open_]:
+            future.exception()
+        if not loaded:
+            try:
+                self._on_servers("resume", self.clients, lambda c: c.continue_generation())
+            except WeightSyncError as resume_error:
+                raise WeightSyncError(f"{error}\nresuming afterwards: {resume_error}") from error
+            if isinstance(error, ValueError):
+                raise error
+            raise WeightSyncError(
+                f"{error}\nno bucket was loaded: weights and weight_version are unchanged, "
+                "generation resumed"
+            ) from error
+        raise WeightSyncError(
+            f"{error}\nsome buckets were loaded: the servers hold whole layers of new weights "
+            f"next to old ones under their old weight_version and stay paused; retry "
+            f"update({self._version!r})"
+        ) from error
+
+    def _send_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> list[str]:
         """One bucket to every server; the failure lines (servers that failed end their
-        session, so they leave ``open_sessions``)."""
+        session, so they leave ``_open``)."""
         info = {
             "names": [name for name, _ in bucket],
             "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in bucket],
@@ -335,14 +303,15 @@ class VLLMWeightUpdater:
         except RuntimeError as e:
             broadcast_error = e
         failures = []
-        for i, (client, future) in enumerate(zip(self.clients, futures, strict=True)):
+        for client, future in zip(self.clients, futures, strict=True):
             if broadcast_error is not None and not future.done():
                 failures.append(f"  {client.base_url}: still receiving when the broadcast failed")
                 continue
             try:
                 future.result()
             except Exception as e:
-                open_sessions.discard(i)
+                if client in self._open:
+                    self._open.remove(client)
                 failures.append(f"  {client.base_url}: {e}")
         if broadcast_error is not None:
             failures.append(
@@ -363,44 +332,3 @@ class VLLMWeightUpdater:
             out=flat,
         )
         return flat
-
-    def _end_sessions(self, open_sessions: set[int]) -> None:
-        """Finish (without a version) the sessions still open after a failure; best effort:
-        a server that cannot is reported by the next update's ``start_weight_update``."""
-        futures = {
-            i: self._pool.submit(self.clients[i].finish_weight_update, None) for i in open_sessions
-        }
-        for future in futures.values():
-            future.exception()
-
-    def _on_all(self, what: str, call: Callable[[VLLMClient], None]) -> None:
-        self._raise_failures(what, [self._pool.submit(call, c) for c in self.clients])
-
-    def _raise_failures(self, what: str, futures: list[Future]) -> None:
-        lines = []
-        for client, future in zip(self.clients, futures, strict=True):
-            try:
-                future.result()
-            except Exception as e:
-                lines.append(f"  {client.base_url}: {e}")
-        if lines:
-            raise WeightSyncError(f"{what} failed:\n" + "\n".join(lines))
-
-    def close(self) -> None:
-        """Leave the group on every server and here; safe to call twice.
-
-        Raises:
-            WeightSyncError: naming servers that failed to leave (ours is released regardless).
-        """
-        try:
-            if self._group is not None:
-                self._on_all(
-                    "shutdown_weight_transfer_engine", lambda c: c.shutdown_weight_transfer_engine()
-                )
-        finally:
-            if self._group is not None:
-                if isinstance(self._group, WeightUpdateGroup):
-                    self._group.destroy()
-                self._group = None
-            self._staging = None
-            self._pool.shutdown(wait=True)
