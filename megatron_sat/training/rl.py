@@ -53,7 +53,7 @@ from megatron_sat.rollout.async_pool import AsyncRolloutPool, check_pool_state
 from megatron_sat.rollout.client import RoutingSpec
 from megatron_sat.rollout.datasets import PromptRecord, load_prompt_dataset
 from megatron_sat.rollout.fleet import PushReport, sync_servers
-from megatron_sat.rollout.meter import ServerMeter, server_metrics
+from megatron_sat.rollout.meter import MeterSnapshot, ServerMeter, server_metrics
 from megatron_sat.rollout.pool import NoLiveServer, RolloutPool
 from megatron_sat.rollout.rewards import RewardWorkers
 from megatron_sat.rollout.seeds import request_seed
@@ -386,7 +386,9 @@ class _Lead:
         self.version = 0
         self.restart_s = 0.0  # of the current step
         self.counted: dict[str, float] = {}
-        self.schedule: Schedule | None = None
+        self.initial: dict[str, float] = {}  # step 0's evaluation (initial_eval)
+        self.snapshot: MeterSnapshot | None = None  # the meter at the last log (run_steps)
+        self.schedule: Schedule | None = None  # build_schedule
 
     def initial_sync(self, state) -> None:
         """Start from identical weights on both sides, tagged with the trainer's version."""
