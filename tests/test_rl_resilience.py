@@ -34,6 +34,7 @@ class ProbeClient(SGLangClient):
 def test_rl_loop_restarts_a_dead_embedded_server(
     tmp_path, tiny_checkpoint, megatron_world, monkeypatch
 ):
+    import megatron_sat.training.engines as engines
     import megatron_sat.training.rl as rl
 
     made: list[tuple[int, ProbeClient]] = []
@@ -57,7 +58,8 @@ def test_rl_loop_restarts_a_dead_embedded_server(
             pushes.append((version, report))
             return report
 
-    monkeypatch.setattr(rl, "RolloutFleet", Fleet)
+    # rollout_fleet (training.engines) builds the fleet since the imports point down.
+    monkeypatch.setattr(engines, "RolloutFleet", Fleet)
     train, test = make_arith_splits(64, 4, seed=1, max_digits=1)
     for name, rows in (("train", train), ("test", test)):
         (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
