@@ -282,20 +282,10 @@ class RolloutPool:
     ) -> dict[int, tuple[GenerateOutput, str]]:
         """``dispatch="per_server"``: each live server's share in one batched request."""
 
-        def run(server: int, client: SGLangClient, shard: list[int]):
-            self.meter.begin(server)
-            try:
-                params = sampling if per_request is None else [per_request[i] for i in shard]
-                outputs = client.generate([requests[i][1] for i in shard], params, routing=routing)
-            except BaseException:
-                self.meter.end(server, failed=True)
-                raise
-            self.meter.end(
-                server,
-                samples=sum(o.finish_reason != "abort" for o in outputs),
-                tokens=sum(len(o.output_ids) for o in outputs),
-            )
-            return outputs
+        def run(server: int, client: SGLangClient, shard: list[int]) -> list[GenerateOutput]:
+            params = sampling if per_request is None else [per_request[i] for i in shard]
+            prompts = [requests[i][1] for i in shard]
+            return self._send(server, client, prompts, params, routing, batched=True)
 
         results: dict[int, tuple[GenerateOutput, str]] = {}
         todo = list(range(len(requests)))
@@ -303,10 +293,7 @@ class RolloutPool:
         while todo:
             alive = sorted(self._alive)
             if not alive:
-                raise NoLiveServer(
-                    f"every rollout server is dead ({len(todo)} of {len(requests)} requests "
-                    "left); failures:\n" + "\n".join(errors)
-                )
+                raise self._no_live_server(len(todo), len(requests), errors)
             shards = [(s, self.clients[s], todo[k :: len(alive)]) for k, s in enumerate(alive)]
             shards = [shard for shard in shards if shard[2]]
             futures = [self._executor.submit(run, *shard) for shard in shards]
@@ -318,15 +305,10 @@ class RolloutPool:
                     # The request is at fault, not the server: another server would refuse it
                     # too, and marking this one dead would condemn a healthy server.
                     sent = [records[requests[i][0]] for i in shard]
-                    raise SGLangRequestError(
-                        f"{client.base_url} refused {refused_prompts(e, sent)}: {e}",
-                        e.status_code,
-                    ) from e
+                    raise self._refused(client, refused_prompts(e, sent), e) from e
                 except (SGLangError, OSError) as e:
                     # Dead or timed out: stop using it and give its share to the others.
-                    errors.append(f"  {client.base_url}: {e}")
-                    self.mark_dead(server)
-                    self.stats.reissued += len(shard)
+                    self._server_down(server, client, e, errors, len(shard))
                     todo += shard
                     continue
                 for i, out in zip(shard, outputs, strict=True):
@@ -353,25 +335,14 @@ class RolloutPool:
         errors: list[str] = []
 
         def run(server: int, client: SGLangClient, i: int) -> GenerateOutput:
-            self.meter.begin(server)
-            try:
-                params = sampling if per_request is None else per_request[i]
-                (out,) = client.generate(requests[i][1], params, routing=routing)
-            except BaseException:
-                self.meter.end(server, failed=True)
-                raise
-            self.meter.end(
-                server, samples=int(out.finish_reason != "abort"), tokens=len(out.output_ids)
-            )
+            params = sampling if per_request is None else per_request[i]
+            (out,) = self._send(server, client, requests[i][1], params, routing, batched=False)
             return out
 
         while todo or in_flight:
             alive = sorted(self._alive)
             if todo and not alive and not in_flight:
-                raise NoLiveServer(
-                    f"every rollout server is dead ({len(todo)} of {len(requests)} requests "
-                    "left); failures:\n" + "\n".join(errors)
-                )
+                raise self._no_live_server(len(todo), len(requests), errors)
             while todo and alive:
                 server = min(alive, key=lambda k: (load[k], k))
                 if load[server] >= self.max_in_flight_per_server:
@@ -394,21 +365,72 @@ class RolloutPool:
                     out = future.result()
                 except SGLangRequestError as e:
                     # The request is at fault, not the server (see _generate_per_server).
-                    record = records[requests[i][0]]
-                    raise SGLangRequestError(
-                        f"{client.base_url} refused prompt {prompt_summary([record])}: {e}",
-                        e.status_code,
-                    ) from e
+                    what = "prompt " + prompt_summary([records[requests[i][0]]])
+                    raise self._refused(client, what, e) from e
                 except (SGLangError, OSError) as e:
-                    errors.append(f"  {client.base_url}: {e}")
-                    self.mark_dead(server)
-                    self.stats.reissued += 1
+                    self._server_down(server, client, e, errors, 1)
                     todo.appendleft(i)
                     continue
                 results[i] = (out, client.base_url)
                 self.last_arrival_order.append(i)
                 on_output(i, out, client.base_url)
         return results
+
+    def _send(
+        self,
+        server: int,
+        client: SGLangClient,
+        prompts: list[int] | list[list[int]],
+        params: SamplingParams | list[SamplingParams],
+        routing: RoutingSpec | None,
+        *,
+        batched: bool,
+    ) -> list[GenerateOutput]:
+        """One /generate of both dispatch modes, metered (a failure counted as one):
+        ``batched``, a list of prompts (per server); else one prompt, whose one output is
+        checked (per request). The outputs, in prompt order.
+
+        Raises:
+            what ``client.generate`` raises; ValueError for a single prompt not answered by
+            exactly one output.
+        """
+        self.meter.begin(server)
+        try:
+            outputs = client.generate(prompts, params, routing=routing)
+            if not batched:
+                (_,) = outputs
+        except BaseException:
+            self.meter.end(server, failed=True)
+            raise
+        self.meter.end(
+            server,
+            samples=sum(o.finish_reason != "abort" for o in outputs),
+            tokens=sum(len(o.output_ids) for o in outputs),
+        )
+        return outputs
+
+    def _server_down(
+        self, server: int, client: SGLangClient, error: Exception, errors: list[str], count: int
+    ) -> None:
+        """Server ``server`` failed (dead or timed out): send it nothing more; its ``count``
+        requests are re-issued by the caller; ``error`` joins the call's failures."""
+        errors.append(f"  {client.base_url}: {error}")
+        self.mark_dead(server)
+        self.stats.reissued += count
+
+    @staticmethod
+    def _refused(client: SGLangClient, what: str, error: SGLangRequestError) -> Exception:
+        """The request is at fault, not the server (e.g. a prompt beyond the context): the
+        error naming ``what`` was refused, to fail the call with rather than condemn every
+        server in turn."""
+        return SGLangRequestError(f"{client.base_url} refused {what}: {error}", error.status_code)
+
+    @staticmethod
+    def _no_live_server(left: int, total: int, errors: list[str]) -> NoLiveServer:
+        return NoLiveServer(
+            f"every rollout server is dead ({left} of {total} requests left); failures:\n"
+            + "\n".join(errors)
+        )
 
     def _to_sample(
         self,

@@ -2,16 +2,18 @@
 
 Under torchrun global rank 0 owns everything outside the trainer's collectives: the rollout
 pool and servers, evaluation, weight sync, logging and the summary. The other trainer ranks
-follow it (``_Followers``): before each collective action rank 0 broadcasts what comes next --
-a train step, a walk of the HF export for a weight push, a run checkpoint, the end -- and the
-others do the same, so every collective (data-parallel scatter and reductions, the export's
+follow it (``training.followers``): before each collective action rank 0 broadcasts what comes
+next -- a train step, a walk of the HF export for a weight push, a run checkpoint, the end --
+and the others do the same, so every collective (data-parallel scatter and reductions, the export's
 TP/EP all-gathers) runs on all ranks in the same order, at any TP/EP/DP layout the trainer
 accepts. Each step rank 0 generates the whole batch, computes the group advantages and sends
 every data-parallel rank a contiguous share of whole GRPO groups (``dp_shares`` by DP rank;
 the TP ranks of one DP rank get the same share), then every rank runs
 ``PolicyTrainer.rl_step`` on its share (global denominators, global SAT quantile, summed
 gradients: see the trainer) and rank 0 logs the global metrics it returns. A weight push walks
-the export on every rank; rank 0 sends it. With one process nothing is broadcast.
+the export on every rank; rank 0 sends it. With one process nothing is broadcast. What
+follows a step per ``rollout.mode`` (push, evaluation, the pool's state for a checkpoint) is
+the schedule's (``training.schedule``).
 
 Dead servers: the pools stop using a server whose request failed and re-issue its work; every
 weight push goes through ``rollout.fleet.sync_servers``, which restarts a dead embedded server,
@@ -44,61 +46,48 @@ from megatron_sat.checkpoint.run_state import (
     clean_uncommitted,
     latest_run_checkpoint,
     load_run_checkpoint,
-    save_run_checkpoint,
-    should_save,
 )
 from megatron_sat.config import RunConfig
 from megatron_sat.objectives import compute_grpo_advantages
-from megatron_sat.rollout.async_pool import AsyncPoolConfig, AsyncRolloutPool, check_pool_state
-from megatron_sat.rollout.client import RoutingSpec, SamplingParams
+from megatron_sat.rollout.async_pool import AsyncRolloutPool, check_pool_state
+from megatron_sat.rollout.client import RoutingSpec
 from megatron_sat.rollout.datasets import PromptRecord, load_prompt_dataset
 from megatron_sat.rollout.fleet import PushReport, sync_servers
-from megatron_sat.rollout.meter import ServerMeter, server_metrics
-from megatron_sat.rollout.pool import NoLiveServer, RolloutPool, informative_batch
+from megatron_sat.rollout.meter import MeterSnapshot, ServerMeter, server_metrics
+from megatron_sat.rollout.pool import NoLiveServer, RolloutPool
 from megatron_sat.rollout.rewards import RewardWorkers
 from megatron_sat.rollout.seeds import request_seed
 from megatron_sat.rollout.types import Sample, staleness
-from megatron_sat.training.batch_transfer import distribute_batch
 from megatron_sat.training.engines import rollout_fleet
 from megatron_sat.training.evaluate import evaluate
+from megatron_sat.training.followers import Followers
 from megatron_sat.training.run_logger import RunLogger
+from megatron_sat.training.saving import due, save_if_due
+from megatron_sat.training.schedule import (
+    PoolParts,
+    Schedule,
+    async_pool_config,
+    make_schedule,
+    rollout_dispatch,
+)
 from megatron_sat.training.stage_senders import (
     STAGE_EXPORT,
-    StageSender,
     StageZeroUpdater,
     uses_stage_senders,
 )
+from megatron_sat.training.step import distributed_rl_step, dp_shares, routing_diagnostic_due
 from megatron_sat.training.trainer import PolicyTrainer
 
-
-def rollout_dispatch(cfg: RunConfig) -> str:
-    """How the pools send requests (``rollout.pool.DISPATCH``): ``per_request`` to servers
-    given by URL (SGLang, vLLM: continuous batching, so a long response holds only itself;
-    rendered SGLang servers run ``--enable-deterministic-inference``, batch-invariant), and
-    ``per_server`` to embedded servers: their engine is not batch-invariant (the same seeded
-    request's log-probs differ by up to 1e-6 alone and in a batch, measured) and batches
-    statically, so per-request arrival would make seeded runs differ bit for bit and would
-    not free a server sooner. The logical clock (``rollout.clock_tokens``) sends one batched
-    request per server and round, whatever the servers."""
-    if cfg.rollout.clock_tokens:
-        return "per_server"
-    return "per_request" if cfg.rollout.server_urls else "per_server"
-
-
-def async_pool_config(cfg: RunConfig) -> AsyncPoolConfig:
-    """The asynchronous pool of ``rollout.mode`` fixed_lag or bounded, from the run config."""
-    ro = cfg.rollout
-    return AsyncPoolConfig(
-        mode=ro.mode,
-        lag=ro.lag,
-        prompts_per_batch=ro.prompts_per_step,
-        group_size=ro.group_size,
-        on_update=ro.on_update,
-        clock_tokens=ro.clock_tokens,
-        filter_groups=ro.filter_groups,
-        max_replacements=ro.max_replacement_groups,
-        dispatch=rollout_dispatch(cfg),
-    )
+# Importable from here as before (tests, benches): they live in their own modules now.
+__all__ = [
+    "batch_metrics",
+    "distributed_rl_step",
+    "dp_shares",
+    "make_summary",
+    "routing_diagnostic_due",
+    "run_rl",
+    "validate_run",
+]
 
 
 class PromptStream:
@@ -145,162 +134,6 @@ def batch_metrics(samples: list[Sample], trainer_version: int) -> dict[str, floa
         for age in sorted(set(ages)):  # the staleness histogram of the step
             out[f"rollout/staleness_frac_age{age}"] = ages.count(age) / len(ages)
     return out
-
-
-def dp_shares(num_samples: int, group_size: int, num_ranks: int) -> list[slice]:
-    """Contiguous shares of whole groups for ``num_ranks`` data-parallel ranks.
-
-    The groups are split as evenly as possible, the first ranks taking one more group when
-    they do not divide evenly; a rank may get none when there are fewer groups than ranks.
-
-    Raises:
-        ValueError: ``num_samples`` is not a multiple of ``group_size``, or a count < 1.
-    """
-    if group_size < 1 or num_ranks < 1:
-        raise ValueError(f"group_size ({group_size}) and num_ranks ({num_ranks}) must be >= 1")
-    if num_samples % group_size:
-        raise ValueError(f"{num_samples} samples are not whole groups of {group_size}")
-    base, extra = divmod(num_samples // group_size, num_ranks)
-    shares, start = [], 0
-    for rank in range(num_ranks):
-        stop = start + (base + (rank < extra)) * group_size
-        shares.append(slice(start, stop))
-        start = stop
-    return shares
-
-
-def distributed_rl_step(
-    trainer: PolicyTrainer,
-    samples: list[Sample] | None,
-    advantages: torch.Tensor | None,
-    cfg: RunConfig,
-    trainer_version: int | None,
-    *,
-    routing_diagnostic: bool = True,
-) -> dict[str, float]:
-    """One train step on every rank: rank 0 passes the whole batch and sends each rank the
-    share of its data-parallel rank (``dp_shares``; TP ranks of one DP rank get the same
-    share) as flat CPU tensors over gloo (``training.batch_transfer``: no pickle, nothing
-    staged on a GPU); the other ranks pass None and receive theirs. Returns the global metrics of
-    ``PolicyTrainer.rl_step`` (on every rank); ``routing_diagnostic`` (the same on every
-    rank: ``routing_diagnostic_due``) runs its live-routing diagnostic forward.
-
-    Raises:
-        ValueError: a non-zero rank passed samples, or rank 0 passed none.
-    """
-    from megatron.core import parallel_state
-
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    if (samples is None) != (rank != 0):
-        raise ValueError(f"rank {rank}: only rank 0 passes the batch to distributed_rl_step")
-    if world == 1:
-        share = (samples, advantages, trainer_version)
-    else:
-        # Flat CPU tensors over gloo, each rank only its share (training.batch_transfer).
-        slices = None
-        if rank == 0:
-            num_dp = parallel_state.get_data_parallel_world_size()
-            slices = dp_shares(len(samples), cfg.rollout.group_size, num_dp)
-        share = distribute_batch(
-            samples, advantages, trainer_version, slices, parallel_state.get_data_parallel_rank()
-        )
-    share_samples, share_advantages, version = share
-    return trainer.rl_step(
-        share_samples,
-        share_advantages,
-        cfg.objective,
-        trainer_version=version,
-        routing_diagnostic=routing_diagnostic,
-    )
-
-
-class _Followers:
-    """Rank 0's side of the command channel to the other trainer ranks (module docstring).
-
-    ``tell(command, arg)`` broadcasts one command over the world group before rank 0 starts
-    the collective action it names; the followers run ``follow``. Commands: ``step``, ``export``
-    (walk ``trainer.hf_tensors()`` to the end), ``save`` (arg: the step), ``done`` and
-    ``abort`` (rank 0 failed: the followers raise instead of waiting forever).
-
-    ``busy`` is true from ``tell`` of a collective action until rank 0 calls ``idle`` after
-    finishing its own part: a failure on rank 0 in between leaves the followers inside that
-    action's collectives, where an ``abort`` broadcast would only meet them at the timeout;
-    rank 0 then exits without it and the launcher tears the job down.
-    """
-
-    def __init__(self, trainer: PolicyTrainer) -> None:
-        self.trainer = trainer
-        self.active = dist.is_initialized() and dist.get_world_size() > 1
-        self.done = False
-        self.busy = False
-        self._export: Iterator | None = None
-
-    def tell(self, command: str, arg: object = None) -> None:
-        if self.active:
-            dist.broadcast_object_list([command, arg], src=0)
-        self.done |= command == "done"
-        self.busy = command in ("step", "export", "save", "stage_connect", "stage_push")
-
-    def idle(self) -> None:
-        """Rank 0 finished its part of the last collective action."""
-        self.busy = False
-
-    def can_abort(self) -> bool:
-        """Whether the followers wait at the channel, where ``abort`` reaches them."""
-        return not (self.busy or self.done)
-
-    def hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """``trainer.hf_tensors()`` for the fleet, mirrored by every follower. A push may stop
-        consuming an export half-way (a failed bucket) and ask for a new one: the rest of the
-        old one is walked first, since the followers walk each export to the end."""
-        self.finish_export()
-        self.tell("export")
-        self._export = self.trainer.hf_tensors()
-        return self._export
-
-    def finish_export(self) -> None:
-        if self._export is not None:
-            for _ in self._export:
-                pass
-            self._export = None
-            self.idle()
-
-    @staticmethod
-    def follow(trainer: PolicyTrainer, cfg: RunConfig) -> None:
-        """A non-zero rank: do what rank 0 says until it says ``done``.
-
-        Raises:
-            RuntimeError: when rank 0 aborts.
-        """
-        stage = StageSender(trainer)  # PP > 1: this rank's part of every stage push
-        while True:
-            message: list = [None, None]
-            dist.broadcast_object_list(message, src=0)
-            command, arg = message
-            if command == "step":  # arg: the step, for the diagnostic's interval
-                interval = cfg.train.routing_diagnostic_interval
-                distributed_rl_step(
-                    trainer,
-                    None,
-                    None,
-                    cfg,
-                    None,
-                    routing_diagnostic=routing_diagnostic_due(interval, arg),
-                )
-            elif command == "export":
-                for _ in trainer.hf_tensors():
-                    pass
-            elif command == "save":
-                save_if_due(cfg, trainer, arg, version=None, initial=None)
-            elif command in StageSender.COMMANDS:
-                stage.handle(command, arg)
-            elif command == "done":
-                stage.close()
-                return
-            else:
-                stage.close()
-                raise RuntimeError(f"rank 0 ended the run ({command}); see its log")
 
 
 def check_prompt_lengths(
@@ -410,11 +243,11 @@ def run_rl(cfg: RunConfig) -> dict:
             f"{cfg.train.num_steps}: nothing to resume (raise train.num_steps)"
         )
     if dist.get_rank() != 0:
-        _Followers.follow(trainer, cfg)
+        Followers.follow(trainer, cfg)
         # Writing the checkpoint is a collective (checkpoint.hf_io.save_model_as_hf).
         trainer.save_hf(Path(cfg.run_dir) / "checkpoint", tokenizer_dir=cfg.init_checkpoint)
         return {}
-    followers = _Followers(trainer)
+    followers = Followers(trainer)
     try:
         summary = _lead(cfg, trainer, tokenizer, state, first_step, followers, fresh_after_crash)
     except BaseException:
@@ -458,25 +291,16 @@ def _lead(
     tokenizer,
     state,
     first_step: int,
-    followers: _Followers,
+    followers: Followers,
     fresh_after_crash: bool = False,
 ) -> dict:
-    """Rank 0's part of ``run_rl`` (everything but the set-up shared by all ranks)."""
+    """Rank 0's part of ``run_rl`` (everything but the set-up shared by all ranks), in phases:
+    the run folder and prompts; the servers, pools and logger (``_Lead``); the initial push
+    and evaluation; the steps (``_Lead.run_steps``); the HF export and the summary."""
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-    train_records = load_prompt_dataset(cfg.data.train_path, tokenizer=tokenizer)
-    eval_records = load_prompt_dataset(cfg.data.eval_path, tokenizer=tokenizer)
-    eval_records = eval_records[: cfg.data.num_eval_prompts]
-    num_layers, top_k, num_experts = trainer.routing_shape
-    ro = cfg.rollout
-    prompts = PromptStream(train_records, cfg.train.seed)
-    # The data position on resume (older checkpoints: one batch of prompts per step).
-    position = (first_step - 1) * ro.prompts_per_step
-    if state is not None:
-        position = state.data_state.get("prompts_consumed", position)
-    for _ in range(position):
-        next(prompts)
+    prompts, eval_records = _prompt_sources(cfg, tokenizer, state, first_step)
     t_start = time.time()
     resume_step = None if state is None else state.step
     if fresh_after_crash:
@@ -486,241 +310,13 @@ def _lead(
         RunLogger(run_dir, resume_step) as logger,
         RewardWorkers() as rewards,  # scored concurrently, math-verify's timeouts on
     ):
-        # One meter for both pools: a server is busy while either has a request on it.
-        meter = ServerMeter(len(fleet.clients))
-        # Routes are asked for only when configured (R3 needs them: RunConfig refuses R3
-        # without); a sample without them then trains without the routing diagnostics.
-        routing = RoutingSpec(num_layers, top_k, num_experts) if ro.return_routed_experts else None
-        pool = RolloutPool(
-            fleet.clients,
-            tokenizer,
-            rewards,
-            routing=routing,
-            stop_token_ids=[tokenizer.eos_token_id],
-            meter=meter,
-            dispatch=rollout_dispatch(cfg),
-        )
-        pools: list[RolloutPool | AsyncRolloutPool] = [pool]
-        version = 0 if state is None else state.weight_version
-        tensors = followers.hf_tensors  # rank 0 sends the gathered export
-        if uses_stage_senders(cfg):  # each pipeline stage sends its own layers
-            fleet.updater_cls = functools.partial(StageZeroUpdater, followers, trainer)
-            tensors = lambda: STAGE_EXPORT  # noqa: E731
-        # Start from identical weights on both sides, tagged with the trainer's version.
-        try:  # through sync_servers like every push: a server restarted here reaches the pool
-            sync_servers(fleet, pools, tensors, version)
-        finally:
-            followers.finish_export()
-        base_version = version  # the async pool counts batches from here
-        pool_start = prompts.consumed  # the data position where the async pool starts drawing
-        async_pool = None
-        if ro.mode != "sync":
-            async_pool = AsyncRolloutPool(
-                fleet.clients,
-                tokenizer,
-                rewards,
-                prompts,
-                async_pool_config(cfg),
-                SamplingParams(
-                    temperature=ro.temperature,
-                    top_p=ro.top_p,
-                    top_k=ro.top_k,
-                    max_new_tokens=ro.max_new_tokens,
-                    stop_token_ids=(tokenizer.eos_token_id,),
-                ),
-                routing=routing,
-                meter=meter,
-                # Batch b is consumed by step first_step + b; drawn counts from pool_start.
-                seed_of=lambda b, drawn, slot: request_seed(
-                    cfg.train.seed, first_step + b, pool_start + drawn, slot
-                ),
-            )
-            pools.append(async_pool)
-            restored = {} if state is None else state.rollout_state
-            if restored.get("batches") is not None:
-                # The batches generated ahead of the checkpoint, exactly as they were (bounded
-                # mode: with the requests in flight then, see AsyncRolloutPool.export_state).
-                async_pool.restore_state(restored)
-        restart_s = 0.0  # of the current step
-        filtered_groups = 0  # synchronous mode's replaced groups, since the start
-        # The cumulative counters logged at the checkpoint resumed from: this process counts on.
-        counted = {} if state is None else state.extra.get("counters", {})
-
-        def push() -> PushReport:
-            """The trainer's weights as ``version`` to every server, dead ones replaced."""
-            nonlocal restart_s
-            try:
-                report = sync_servers(fleet, pools, tensors, version)
-            finally:
-                followers.finish_export()
-            restart_s += report.restart_s
-            if report.found_dead:
-                tqdm.write(
-                    f"rollout servers {list(report.found_dead)} died; restarted and re-synced "
-                    f"{list(report.restarted)}; without a server: {list(report.down)}"
-                )
-            return report
-
-        def revived(call):
-            """``call()``; when every server is dead, revive them (``push``) and call again.
-            Ends when nothing can be restarted: ``push`` then raises WeightSyncError."""
-            while True:
-                try:
-                    return call()
-                except NoLiveServer as e:
-                    tqdm.write(f"{e}; reviving the rollout servers")
-                    push()
-
-        run_seed = cfg.train.seed
-
-        def run_eval(after_step: int) -> dict[str, float]:
-            return revived(
-                lambda: evaluate(
-                    pool,
-                    eval_records,
-                    samples_per_prompt=ro.eval_samples_per_prompt,
-                    temperature=ro.eval_temperature,
-                    max_new_tokens=ro.max_new_tokens,
-                    seed_of=lambda i, k: request_seed(run_seed, after_step, i, k, "eval"),
-                )
-            )
-
-        if state is None:
-            initial = run_eval(0)
-            logger.log(0, initial)
-        else:
-            initial = state.extra["initial_eval"]
-        progress = tqdm(
-            range(first_step, cfg.train.num_steps + 1),
-            desc="RL",
-            unit="step",
-            initial=first_step - 1,
-            total=cfg.train.num_steps,
-        )
-        if async_pool is not None:
-            async_pool.start()
-        snapshot = meter.snapshot()
-        last_acc = initial["eval/acc_greedy"]  # the bar shows the latest held-out accuracy
-        for step in progress:
-            t0 = time.time()
-            restart_s = 0.0
-            if async_pool is not None:
-                samples = revived(functools.partial(async_pool.get_batch, step - first_step))
-            else:
-
-                def seeded(records, step=step):
-                    # The records were just drawn: data positions consumed - len .. consumed.
-                    first = prompts.consumed - len(records)
-                    return functools.partial(
-                        pool.generate_groups,
-                        records,
-                        ro.group_size,
-                        temperature=ro.temperature,
-                        top_p=ro.top_p,
-                        top_k=ro.top_k,
-                        max_new_tokens=ro.max_new_tokens,
-                        seed_of=lambda g, j: request_seed(run_seed, step, first + g, j),
-                    )
-
-                samples, replaced = informative_batch(
-                    lambda records: revived(seeded(records)),
-                    prompts,
-                    ro.prompts_per_step,
-                    ro.group_size,
-                    ro.max_replacement_groups,
-                )
-                filtered_groups += replaced
-            t_gen = time.time() - t0
-            rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
-            advantages = compute_grpo_advantages(rewards, ro.group_size)
-            metrics = batch_metrics(samples, version)
-            followers.tell("step", step)
-            diagnostic = routing_diagnostic_due(cfg.train.routing_diagnostic_interval, step)
-            train = distributed_rl_step(
-                trainer, samples, advantages, cfg, version, routing_diagnostic=diagnostic
-            )
-            followers.idle()
-            metrics.update({f"train/{k}": v for k, v in train.items()})
-            version += 1
-            t_sync = t_eval = 0.0
-            pool_state = None
-            eval_due = step % cfg.train.eval_every == 0 or step == cfg.train.num_steps
-            evaluated = None
-            if async_pool is not None:
-                revived(functools.partial(async_pool.wait_before_update, version - base_version))
-                t1 = time.time()
-                push()
-                t_sync = time.time() - t1
-                if eval_due:
-                    # Before the pool goes on: none of its requests is in flight now (fixed
-                    # lag: the batches of the pushed version are done; the logical clock
-                    # pauses), so no rollout shares a server batch with the evaluation (the
-                    # embedded engine's log-probs depend on the batch).
-                    evaluated = run_eval(step)
-                    t_eval = time.time() - t1 - t_sync
-                if due(cfg, step):
-                    # Fixed lag: the complete batches ahead are saved, the next one re-created;
-                    # bounded: everything admitted, as it stands (the logical clock: paused).
-                    pool_state = revived(
-                        functools.partial(async_pool.export_state, step - first_step + 1)
-                    )
-                async_pool.set_version(version - base_version)
-            elif version % ro.update_weights_interval == 0:
-                t1 = time.time()
-                push()
-                t_sync = time.time() - t1
-            metrics.update(
-                {
-                    "time/generate_s": t_gen,
-                    "time/sync_s": t_sync,  # restarts and regrouping included
-                    "time/restart_s": restart_s,
-                    "time/step_s": time.time() - t0 - t_eval,
-                }
-            )
-            if eval_due:
-                metrics.update(run_eval(step) if evaluated is None else evaluated)
-                last_acc = metrics["eval/acc_greedy"]
-            # Per server index, since the previous step's log (evaluation included).
-            now = meter.snapshot()
-            metrics.update(server_metrics(snapshot, now))
-            snapshot = now
-            counters = {
-                "rollout/reissued": float(sum(p.stats.reissued for p in pools)),
-                "rollout/server_restarts": float(sum(fleet.restarts)),
-                "rollout/filtered_groups": float(
-                    filtered_groups
-                    + (0 if async_pool is None else async_pool.stats.filtered_groups)
-                ),
-            }
-            counters = {k: counted.get(k, 0.0) + v for k, v in counters.items()}
-            metrics.update(counters)
-            metrics["rollout/dead_servers"] = float(len(fleet.down))
-            logger.log(step, metrics)
-            followers.tell("save", step)
-            drawn = prompts.consumed  # the prompts admitted ahead are drawn again on resume
-            if pool_state is not None:
-                drawn = pool_start + pool_state["drawn"]
-            elif async_pool is not None:
-                drawn = pool_start + async_pool.drawn_before(step - first_step + 1)
-            save_if_due(
-                cfg,
-                trainer,
-                step,
-                version=version,
-                initial=initial,
-                prompts=drawn,
-                rollout_state=pool_state,
-                counters=counters,
-            )
-            followers.idle()
-            progress.set_postfix(
-                reward=f"{metrics['rollout/reward']:.3f}",
-                acc=f"{last_acc:.3f}",
-            )
+        lead = _Lead(cfg, trainer, tokenizer, followers, fleet, logger, rewards, eval_records)
+        lead.initial_sync(state)
+        lead.build_schedule(prompts, first_step, state)
+        initial = lead.initial_eval(state)
+        metrics = lead.run_steps(first_step, initial)
         final = {k: v for k, v in metrics.items() if k.startswith("eval/")}
-        if async_pool is not None:
-            async_pool.stop()
-        pool.close()
+        lead.close()
         followers.tell("done")
         checkpoint = trainer.save_hf(run_dir / "checkpoint", tokenizer_dir=cfg.init_checkpoint)
         summary = make_summary(cfg, initial, final, run_dir, checkpoint, time.time() - t_start)
@@ -729,51 +325,236 @@ def _lead(
     return summary
 
 
-def routing_diagnostic_due(interval: int, step: int) -> bool:
-    """Whether optimizer step ``step`` (1-based) runs the live-routing diagnostic forward at
-    ``train.routing_diagnostic_interval`` = ``interval`` (every ``interval`` steps, as
-    ``train.save_every`` counts; 0 = never).
+def _prompt_sources(
+    cfg: RunConfig, tokenizer, state, first_step: int
+) -> tuple[PromptStream, list[PromptRecord]]:
+    """The train prompt stream at the run's data position, and the held-out prompts."""
+    train_records = load_prompt_dataset(cfg.data.train_path, tokenizer=tokenizer)
+    eval_records = load_prompt_dataset(cfg.data.eval_path, tokenizer=tokenizer)
+    eval_records = eval_records[: cfg.data.num_eval_prompts]
+    prompts = PromptStream(train_records, cfg.train.seed)
+    # The data position on resume (older checkpoints: one batch of prompts per step).
+    position = (first_step - 1) * cfg.rollout.prompts_per_step
+    if state is not None:
+        position = state.data_state.get("prompts_consumed", position)
+    for _ in range(position):
+        next(prompts)
+    return prompts, eval_records
 
-    Raises:
-        ValueError: ``interval`` < 0 or ``step`` < 1.
-    """
-    if interval < 0 or step < 1:
-        raise ValueError(f"routing_diagnostic_due: interval={interval} < 0 or step={step} < 1")
-    return interval > 0 and step % interval == 0
 
+class _Lead:
+    """Rank 0's run inside the fleet, logger and reward workers: its pools, weight version and
+    counters, and the phases ``_lead`` calls in order. It is the schedule's ``RunHooks``
+    (``push``, ``revived``, ``evaluate``)."""
 
-def due(cfg: RunConfig, step: int) -> bool:
-    """Whether a run checkpoint is written after ``step``."""
-    return should_save(step, cfg.train.save_every) or step == cfg.train.num_steps
+    def __init__(
+        self,
+        cfg: RunConfig,
+        trainer: PolicyTrainer,
+        tokenizer,
+        followers: Followers,
+        fleet,
+        logger: RunLogger,
+        rewards: RewardWorkers,
+        eval_records: list[PromptRecord],
+    ) -> None:
+        self.cfg, self.trainer, self.followers = cfg, trainer, followers
+        self.fleet, self.logger, self.eval_records = fleet, logger, eval_records
+        num_layers, top_k, num_experts = trainer.routing_shape
+        # One meter for both pools: a server is busy while either has a request on it.
+        self.meter = ServerMeter(len(fleet.clients))
+        # Routes are asked for only when configured (R3 needs them: RunConfig refuses R3
+        # without); a sample without them then trains without the routing diagnostics.
+        routing = None
+        if cfg.rollout.return_routed_experts:
+            routing = RoutingSpec(num_layers, top_k, num_experts)
+        self.pool = RolloutPool(
+            fleet.clients,
+            tokenizer,
+            rewards,
+            routing=routing,
+            stop_token_ids=[tokenizer.eos_token_id],
+            meter=self.meter,
+            dispatch=rollout_dispatch(cfg),
+        )
+        self.parts = PoolParts(fleet.clients, tokenizer, rewards, routing, self.meter)
+        self.pools: list[RolloutPool | AsyncRolloutPool] = [self.pool]
+        self.tensors = followers.hf_tensors  # rank 0 sends the gathered export
+        if uses_stage_senders(cfg):  # each pipeline stage sends its own layers
+            fleet.updater_cls = functools.partial(StageZeroUpdater, followers, trainer)
+            self.tensors = lambda: STAGE_EXPORT
+        self.version = 0
+        self.restart_s = 0.0  # of the current step
+        self.counted: dict[str, float] = {}
+        self.initial: dict[str, float] = {}  # step 0's evaluation (initial_eval)
+        self.snapshot: MeterSnapshot | None = None  # the meter at the last log (run_steps)
+        self.schedule: Schedule | None = None  # build_schedule
 
+    def initial_sync(self, state) -> None:
+        """Start from identical weights on both sides, tagged with the trainer's version."""
+        self.version = 0 if state is None else state.weight_version
+        # The cumulative counters logged at the checkpoint resumed from: this process counts on.
+        self.counted = {} if state is None else state.extra.get("counters", {})
+        try:  # through sync_servers like every push: a server restarted here reaches the pool
+            sync_servers(self.fleet, self.pools, self.tensors, self.version)
+        finally:
+            self.followers.finish_export()
 
-def save_if_due(
-    cfg: RunConfig,
-    trainer: PolicyTrainer,
-    step: int,
-    *,
-    version: int | None,
-    initial: dict | None,
-    prompts: int | None = None,
-    rollout_state: dict | None = None,
-    counters: dict[str, float] | None = None,
-) -> None:
-    """Run checkpoint after ``step`` every ``train.save_every`` steps and after the last one
-    (collective: every rank calls it; rank 0's version and data position, ``prompts``
-    consumed from the prompt stream by the batches trained on so far, are written, with the
-    cumulative ``counters`` logged at ``step``, which a resumed run counts on from)."""
-    if not due(cfg, step):
-        return
-    save_run_checkpoint(
-        cfg.run_dir,
-        model=trainer.model,
-        optimizer=trainer.optimizer,
-        step=step,
-        weight_version=version or 0,
-        data_state={"prompts_consumed": prompts or 0},
-        rollout_state=rollout_state,
-        extra={"initial_eval": initial or {}, "counters": counters or {}},
-    )
+    def build_schedule(self, prompts: PromptStream, first_step: int, state) -> None:
+        """The schedule of ``rollout.mode`` (``training.schedule``), its pools joining ours."""
+        self.schedule = make_schedule(
+            self.cfg,
+            self.pool,
+            prompts,
+            self,
+            self.parts,
+            first_step=first_step,
+            version=self.version,
+            restored=None if state is None else state.rollout_state,
+        )
+        self.pools.extend(self.schedule.pools)
+
+    def push(self) -> PushReport:
+        """The trainer's weights as ``version`` to every server, dead ones replaced."""
+        try:
+            report = sync_servers(self.fleet, self.pools, self.tensors, self.version)
+        finally:
+            self.followers.finish_export()
+        self.restart_s += report.restart_s
+        if report.found_dead:
+            tqdm.write(
+                f"rollout servers {list(report.found_dead)} died; restarted and re-synced "
+                f"{list(report.restarted)}; without a server: {list(report.down)}"
+            )
+        return report
+
+    def revived(self, call):
+        """``call()``; when every server is dead, revive them (``push``) and call again.
+        Ends when nothing can be restarted: ``push`` then raises WeightSyncError."""
+        while True:
+            try:
+                return call()
+            except NoLiveServer as e:
+                tqdm.write(f"{e}; reviving the rollout servers")
+                self.push()
+
+    def evaluate(self, after_step: int) -> dict[str, float]:
+        """The held-out evaluation after ``after_step`` (0: before training), seeded by it."""
+        ro, run_seed = self.cfg.rollout, self.cfg.train.seed
+        return self.revived(
+            lambda: evaluate(
+                self.pool,
+                self.eval_records,
+                samples_per_prompt=ro.eval_samples_per_prompt,
+                temperature=ro.eval_temperature,
+                max_new_tokens=ro.max_new_tokens,
+                seed_of=lambda i, k: request_seed(run_seed, after_step, i, k, "eval"),
+            )
+        )
+
+    def initial_eval(self, state) -> dict[str, float]:
+        """Step 0's evaluation, logged; on resume the one the checkpoint recorded."""
+        if state is not None:
+            self.initial = state.extra["initial_eval"]
+        else:
+            self.initial = self.evaluate(0)
+            self.logger.log(0, self.initial)
+        return self.initial
+
+    def run_steps(self, first_step: int, initial: dict[str, float]) -> dict[str, float]:
+        """Steps ``first_step .. train.num_steps``; the last step's metrics."""
+        progress = tqdm(
+            range(first_step, self.cfg.train.num_steps + 1),
+            desc="RL",
+            unit="step",
+            initial=first_step - 1,
+            total=self.cfg.train.num_steps,
+        )
+        self.schedule.start()
+        self.snapshot = self.meter.snapshot()
+        last_acc = initial["eval/acc_greedy"]  # the bar shows the latest held-out accuracy
+        for step in progress:
+            metrics = self.step(step)
+            last_acc = metrics.get("eval/acc_greedy", last_acc)
+            progress.set_postfix(reward=f"{metrics['rollout/reward']:.3f}", acc=f"{last_acc:.3f}")
+        return metrics
+
+    def step(self, step: int) -> dict[str, float]:
+        """One step: generate, advantages and train, the schedule's push (and evaluation,
+        export), log, save. Its metrics."""
+        cfg = self.cfg
+        t0 = time.time()
+        self.restart_s = 0.0
+        samples = self.schedule.generate(step)
+        t_gen = time.time() - t0
+        metrics = self.train(step, samples)
+        eval_due = step % cfg.train.eval_every == 0 or step == cfg.train.num_steps
+        after = self.schedule.after_step(
+            step, self.version, eval_due=eval_due, save_due=due(cfg, step)
+        )
+        metrics.update(
+            {
+                "time/generate_s": t_gen,
+                "time/sync_s": after.sync_s,  # restarts and regrouping included
+                "time/restart_s": self.restart_s,
+                "time/step_s": time.time() - t0 - after.eval_s,
+            }
+        )
+        if eval_due:
+            metrics.update(self.evaluate(step) if after.evaluated is None else after.evaluated)
+        counters = self.log(step, metrics)
+        self.followers.tell("save", step)
+        save_if_due(
+            cfg,
+            self.trainer,
+            step,
+            version=self.version,
+            initial=self.initial,
+            prompts=self.schedule.data_position(step, after.pool_state),
+            rollout_state=after.pool_state,
+            counters=counters,
+        )
+        self.followers.idle()
+        return metrics
+
+    def train(self, step: int, samples: list[Sample]) -> dict[str, float]:
+        """Group advantages and the distributed train step on ``samples``; the batch's and the
+        step's metrics. The trainer's version goes up by one."""
+        rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
+        advantages = compute_grpo_advantages(rewards, self.cfg.rollout.group_size)
+        metrics = batch_metrics(samples, self.version)
+        self.followers.tell("step", step)
+        diagnostic = routing_diagnostic_due(self.cfg.train.routing_diagnostic_interval, step)
+        train = distributed_rl_step(
+            self.trainer, samples, advantages, self.cfg, self.version, routing_diagnostic=diagnostic
+        )
+        self.followers.idle()
+        metrics.update({f"train/{k}": v for k, v in train.items()})
+        self.version += 1
+        return metrics
+
+    def log(self, step: int, metrics: dict[str, float]) -> dict[str, float]:
+        """Add the servers' and the cumulative counters' metrics and log the step; the
+        cumulative counters (a run checkpoint stores them)."""
+        # Per server index, since the previous step's log (evaluation included).
+        now = self.meter.snapshot()
+        metrics.update(server_metrics(self.snapshot, now))
+        self.snapshot = now
+        counters = {
+            "rollout/reissued": float(sum(p.stats.reissued for p in self.pools)),
+            "rollout/server_restarts": float(sum(self.fleet.restarts)),
+            "rollout/filtered_groups": float(self.schedule.filtered_groups),
+        }
+        counters = {k: self.counted.get(k, 0.0) + v for k, v in counters.items()}
+        metrics.update(counters)
+        metrics["rollout/dead_servers"] = float(len(self.fleet.down))
+        self.logger.log(step, metrics)
+        return counters
+
+    def close(self) -> None:
+        """Stop the schedule's pools and close the synchronous one."""
+        self.schedule.stop()
+        self.pool.close()
 
 
 def make_summary(
