@@ -379,3 +379,32 @@ def test_the_tools_run_on_this_repository():
         )
         assert proc.returncode in (0, 1), proc.stderr
         assert keys <= json.loads(proc.stdout).keys()
+
+
+def test_type_checking_import_is_no_cycle_but_still_must_point_down(tmp_path):
+    """An import under ``if TYPE_CHECKING:`` never runs: a module naming the type of its
+    caller makes no cycle, but the import is still checked against the layers."""
+    make_package(
+        tmp_path,
+        {
+            "megatron_sat/cli.py": "main = None\n",
+            "megatron_sat/training/__init__.py": "",
+            "megatron_sat/training/a.py": "from megatron_sat.training.b import helper\n",
+            "megatron_sat/training/b.py": """\
+                from typing import TYPE_CHECKING
+
+                if TYPE_CHECKING:
+                    from megatron_sat.training.a import A
+                    from megatron_sat.cli import main
+
+
+                def helper(a: "A") -> None:
+                    pass
+            """,
+        },
+    )
+    report = check_layers.check(tmp_path)
+    assert cycles(report) == []
+    assert upward(report) == [
+        ("megatron_sat/training/b.py", 5, "megatron_sat.cli", "training/", "cli.py"),
+    ]

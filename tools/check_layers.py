@@ -9,8 +9,10 @@ layer or of a layer listed below it, at any place (module level, inside a functi
 a module line ``x.py`` covers ``megatron_sat/x.py``. A module no line covers is an error, so a
 new folder must be declared. The package's own ``__init__.py`` is exempt.
 
-It also reports every import cycle between the package's modules, over all imports (lazy ones
-included), with the names each import of the cycle brings in.
+It also reports every import cycle between the package's modules, over all imports that run
+(lazy ones included), with the names each import of the cycle brings in. An import under
+``if TYPE_CHECKING:`` never runs, so it is no edge of a cycle (a module may name the type of
+the object that calls it), but it still must point down the layers.
 
     python tools/check_layers.py           # one line per violation and per cycle, then a summary
     python tools/check_layers.py --json    # one JSON line: upward_imports, cycles, undeclared
@@ -56,6 +58,7 @@ class Import:
     target: str
     line: int
     names: tuple[str, ...]
+    type_only: bool = False  # under ``if TYPE_CHECKING:``: checked for layers, never run
 
 
 @dataclass
@@ -165,10 +168,17 @@ def imports_of(
     tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
     is_init = path.name == "__init__.py"
     found: list[Import] = []
+    type_only = {
+        id(inner)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and _is_type_checking(node.test)
+        for stmt in node.body
+        for inner in ast.walk(stmt)
+    }
 
     def add(target: str | None, line: int, names: tuple[str, ...]) -> None:
         if target is not None and target != module:
-            found.append(Import(module, target, line, names))
+            found.append(Import(module, target, line, names, id(node) in type_only))
 
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -197,6 +207,13 @@ def imports_of(
             for target, names in by_target.items():
                 add(target, node.lineno, tuple(names))
     return sorted(found, key=lambda imp: (imp.line, imp.target))
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    """``TYPE_CHECKING`` or ``typing.TYPE_CHECKING`` as an ``if`` test."""
+    if isinstance(test, ast.Name):
+        return test.id == "TYPE_CHECKING"
+    return isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
 
 
 def layer_of(module: str, layers: list[Layer], modules: dict[str, Path], package: str = PACKAGE):
@@ -299,7 +316,8 @@ def check(root: Path, readme: Path | None = None, package: str = PACKAGE) -> Rep
             top = rel.parts[1] + ("/" if len(rel.parts) > 2 else "")
             undeclared.add(top)
         for imp in imports_of(module, root / rel, modules, package):
-            edges.setdefault(module, {}).setdefault(imp.target, []).append(imp)
+            if not imp.type_only:
+                edges.setdefault(module, {}).setdefault(imp.target, []).append(imp)
             target_layer = layer_of(imp.target, layers, modules, package)
             if (
                 source_layer is not None

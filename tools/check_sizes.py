@@ -35,9 +35,15 @@ ORCHESTRATORS: dict[str, int] = {
     "megatron_sat/training/rl.py::_lead": 60,  # the RL loop's lead rank
 }
 
-# "path::Qualname": (max_lines, "why it must stay long"). Empty on purpose: fill it at merge
-# time, one entry per function that cannot be split, each with its reason.
-ALLOWED: dict[str, tuple[int, str]] = {}
+# "path::Qualname": (max_lines, "why it must stay long"): one entry per function that cannot be
+# split without making it harder to read, each with its reason.
+ALLOWED: dict[str, tuple[int, str]] = {
+    "megatron_sat/rollout/embedded/server.py::create_app": (
+        134,
+        "the embedded server's FastAPI app: one short route closure per SGLang endpoint over one "
+        "shared engine state, read top to bottom against SGLang's http_server.py",
+    ),
+}
 
 
 @dataclass(frozen=True)
