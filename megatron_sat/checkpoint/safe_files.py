@@ -22,6 +22,7 @@ file as well, and megatron-sat never wrote a run file that needs more than this 
 from __future__ import annotations
 
 import pickle
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -47,17 +48,17 @@ def to_plain(obj: Any, where: str = "state") -> Any:
         TypeError: for a value that is not plain data, a tensor or a numeric numpy value,
             naming where it sits (``state.rollout_state['batches'][0]``).
     """
-    if obj is None or isinstance(obj, (bool, int, float, str, torch.Tensor)):
-        return obj
-    if isinstance(obj, (np.ndarray, np.generic)):
+    if isinstance(obj, (np.ndarray, np.generic)):  # first: np.float64 is a float
         array = np.asarray(obj)
         if array.dtype.kind not in "biuf":
             raise TypeError(f"{where}: numpy dtype {array.dtype} cannot be stored as plain data")
         return {
-            NDARRAY_TAG: torch.from_numpy(np.ascontiguousarray(array).copy()),
+            NDARRAY_TAG: torch.from_numpy(np.array(array, copy=True, order="C")),
             "dtype": array.dtype.str,
             "scalar": isinstance(obj, np.generic),
         }
+    if obj is None or isinstance(obj, (bool, int, float, str, torch.Tensor)):
+        return obj
     if isinstance(obj, dict):
         if NDARRAY_TAG in obj:
             raise TypeError(f"{where}: the key {NDARRAY_TAG!r} is reserved")
@@ -127,9 +128,10 @@ def load_plain(path: str | Path, *, legacy: bool = False) -> Any:
         with torch.serialization.safe_globals(allowed()):
             return torch.load(path, weights_only=True, map_location="cpu")
     except pickle.UnpicklingError as e:
-        detail = str(e).split("WeightsUnpickler error:")[-1].strip().splitlines()[0]
+        found = re.search(r"(?:GLOBAL|global) ([\w.]+)", str(e))
+        detail = f"it names {found.group(1)}" if found else "an unsupported pickle operation"
         raise UnsafeFileError(
-            f"{path}: refused, it needs more than plain data and tensors to load ({detail}). "
+            f"{path}: refused: loading it needs more than plain data and tensors ({detail}). "
             "megatron-sat writes no such file and loads none (loading it could run code from "
             "the file); a run checkpoint that holds one was not written by megatron-sat or "
             "was altered: resume from another checkpoint"
