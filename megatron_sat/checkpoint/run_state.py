@@ -167,7 +167,7 @@ class RunState:
         data_state: the data position (e.g. ``{"epoch": 2, "offset": 96, "seed": 0}``).
         rollout_state: the rollout pool's state (admitted but unconsumed samples with their
             versions), as the pool exports it.
-        extra: anything else (picklable).
+        extra: anything else (plain data, tensors, numeric numpy arrays: ``safe_files.to_plain``).
     """
 
     step: int
@@ -310,6 +310,8 @@ def save_run_checkpoint(
     Raises:
         FileExistsError: when a committed checkpoint of this step exists already (an
             uncommitted one, left by a crash, is removed and written again).
+        TypeError: on every rank, before anything is written, when the run state holds a
+            value that is not plain data (named by its place in the state).
     """
     root = Path(run_dir) / CHECKPOINTS
     final = root / f"step_{step:08d}"
