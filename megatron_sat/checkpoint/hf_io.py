@@ -3,6 +3,10 @@ for a megatron-core model at any TP / EP / PP (see :mod:`megatron_sat.checkpoint
 
 With a world of one process these are plain single-rank functions; under torchrun every rank
 must call them (they run collectives), and only global rank 0 writes files.
+
+A written checkpoint gets ``manifest.json`` (every file with its size and SHA-256, see
+:mod:`megatron_sat.checkpoint.manifest`) after its files; :func:`verify_hf_checkpoint` checks
+it, and :func:`load_hf_into_model` verifies a checkpoint that has one before reading it.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from megatron_sat.checkpoint import sharding
+from megatron_sat.checkpoint import manifest, sharding
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -105,14 +109,35 @@ def read_hf_tensors(path: str | Path) -> dict[str, torch.Tensor]:
     return dict(HFTensors(path).items())
 
 
+def verify_hf_checkpoint(path: str | Path) -> bool:
+    """Check every file of an HF checkpoint against its ``manifest.json`` (in this process).
+
+    Returns:
+        True when it verifies, False when it has no manifest (written elsewhere, or before
+        manifests: nothing to verify against).
+
+    Raises:
+        ValueError: naming each file that is missing, of another size or checksum, or not in
+            the manifest (and the checkpoint).
+    """
+    has_manifest, problems = manifest.verify_checkpoint_dir(path)
+    if problems:
+        raise ValueError(f"HF checkpoint {path} fails verification: " + "; ".join(problems))
+    return has_manifest
+
+
 def load_hf_into_model(model: torch.nn.Module, path: str | Path) -> None:
-    """Copy the HF checkpoint at ``path`` into this rank's shards of ``model``, in place.
+    """Copy the HF checkpoint at ``path`` into this rank's shards of ``model``, in place,
+    after verifying it when it has a ``manifest.json`` (each rank verifies; one without is
+    loaded as it is: HF checkpoints from elsewhere carry none).
 
     Collective under torchrun (see :func:`megatron_sat.checkpoint.sharding.load_hf_tensors`).
 
     Raises:
-        ValueError: for missing, unused or mis-shaped tensors, naming them.
+        ValueError: for missing, unused or mis-shaped tensors, naming them; for a checkpoint
+            that fails verification, naming the file and reason.
     """
+    verify_hf_checkpoint(path)
     sharding.load_hf_tensors(model, HFTensors(path), read_hf_config(path))
 
 
@@ -236,7 +261,13 @@ def copy_tokenizer_files(src_dir: str | Path, out_dir: str | Path) -> list[str]:
     return copied
 
 
-HF_CHECKPOINT_FILES = ("*.safetensors", INDEX, "config.json", ".shard-*.tmp")
+HF_CHECKPOINT_FILES = (
+    "*.safetensors",
+    INDEX,
+    "config.json",
+    ".shard-*.tmp",
+    manifest.MANIFEST,
+)
 
 
 def write_hf_checkpoint(
@@ -250,7 +281,8 @@ def write_hf_checkpoint(
     progress: bool = False,
 ) -> Path:
     """Write ``(hf_name, tensor)`` pairs as an HF checkpoint: sharded safetensors with index,
-    ``config.json`` and the tokenizer files of ``tokenizer_dir``. Rank 0 writes; other ranks
+    ``config.json``, the tokenizer files of ``tokenizer_dir`` and, after them (fsynced),
+    ``manifest.json`` of every file in ``out_dir``. Rank 0 writes; other ranks
     consume ``tensors`` (it may be a collective iterator) and write nothing. Tensors are
     written as they come (one shard in memory at a time).
 
@@ -271,9 +303,31 @@ def write_hf_checkpoint(
         (out / "config.json").write_text(json.dumps(dict(hf_config), indent=2) + "\n")
         if tokenizer_dir is not None:
             copy_tokenizer_files(tokenizer_dir, out)
+        write_hf_manifest(out)
     if dist.is_initialized():
         dist.barrier()
     return out
+
+
+def write_hf_manifest(out_dir: str | Path) -> Path:
+    """fsync every file of ``out_dir``, then write its ``manifest.json`` (fsynced, with the
+    folder). Files kept from before (``overwrite``) are listed too: the manifest describes
+    the folder as it is."""
+    out = Path(out_dir)
+    rels = manifest.list_files(out)
+    for rel in rels:
+        fd = os.open(out / rel, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    path = manifest.write_manifest(out, [manifest.hash_files(out, rels)])
+    fd = os.open(out, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return path
 
 
 def save_model_as_hf(
@@ -288,7 +342,8 @@ def save_model_as_hf(
     """Write ``model`` (any TP/EP/PP; collective) as an HF checkpoint that
     ``AutoModelForCausalLM.from_pretrained`` loads: safetensors shards (per-expert keys;
     ``model.safetensors`` when one shard suffices) with ``model.safetensors.index.json``,
-    ``config.json`` and, from ``tokenizer_dir``, the tokenizer files.
+    ``config.json``, from ``tokenizer_dir``, the tokenizer files, and ``manifest.json``
+    (:func:`verify_hf_checkpoint`).
 
     With ``overwrite`` the previous checkpoint files of ``out_dir`` are replaced and other files
     (a tokenizer saved there first) kept.

@@ -95,11 +95,109 @@ def context_parallel_errors(
     return errors
 
 
+_SIZES = (  # config.json fields that must be positive integers when present
+    "hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
+    "num_key_value_heads", "head_dim", "intermediate_size", "moe_intermediate_size",
+    "shared_expert_intermediate_size", "num_experts", "num_local_experts", "n_routed_experts",
+    "num_experts_per_tok", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim",
+    "qk_rope_head_dim", "v_head_dim", "n_group", "topk_group", "decoder_sparse_step",
+    "max_position_embeddings",
+)  # fmt: skip
+_REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+
+
+def model_config_errors(hf: dict[str, Any]) -> list[str]:
+    """The model's own shape, as the families read it (``models/*.py``), before anything is
+    built: sizes positive integers; ``num_key_value_heads`` dividing ``num_attention_heads``
+    (equal to it under DeepSeek-V3's MLA); without ``head_dim``, ``hidden_size`` divisible
+    by the heads (the families take ``hidden_size // num_attention_heads``); top-k
+    (``num_experts_per_tok``) between 1 and the routed experts (``num_experts`` /
+    ``num_local_experts`` / ``n_routed_experts``); DeepSeek-V3's ``first_k_dense_replace``
+    within the layers and its routing groups (``n_group`` dividing the experts,
+    ``topk_group`` <= ``n_group``, top-k within the chosen groups' experts); Qwen-MoE's
+    ``mlp_only_layers`` within the layers. Each error names the config.json field and value.
+    """
+    errors = [f"config.json has no {k} (required)" for k in _REQUIRED if hf.get(k) is None]
+    sizes: dict[str, int] = {}
+    for key in _SIZES:
+        value = hf.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            errors.append(f"config.json {key}={value!r}: must be a positive integer")
+        else:
+            sizes[key] = value
+    if errors:
+        return errors
+    heads, hidden = sizes["num_attention_heads"], sizes["hidden_size"]
+    groups = sizes.get("num_key_value_heads", heads)
+    mla = "DeepseekV3ForCausalLM" in (hf.get("architectures") or [])
+    if mla and groups != heads:
+        errors.append(
+            f"config.json num_key_value_heads={groups}: must equal num_attention_heads={heads} "
+            "under DeepSeek-V3's multi-latent attention"
+        )
+    elif heads % groups:
+        errors.append(
+            f"config.json num_key_value_heads={groups} does not divide num_attention_heads="
+            f"{heads} (each key-value head serves a whole group of query heads)"
+        )
+    if not mla and "head_dim" not in sizes and hidden % heads:
+        errors.append(
+            f"config.json hidden_size={hidden} is not divisible by num_attention_heads={heads} "
+            "and there is no head_dim (the head size is hidden_size // num_attention_heads)"
+        )
+    expert_key = next(
+        (k for k in ("num_experts", "num_local_experts", "n_routed_experts") if k in sizes), None
+    )
+    experts = sizes.get(expert_key, 0)
+    topk = sizes.get("num_experts_per_tok")
+    if experts and topk is None:
+        errors.append(f"config.json {expert_key}={experts} without num_experts_per_tok (top-k)")
+    if experts and topk is not None and topk > experts:
+        errors.append(
+            f"config.json num_experts_per_tok={topk}: more than the {experts} experts "
+            f"({expert_key}); each token is routed to top-k distinct experts"
+        )
+    layers = sizes["num_hidden_layers"]
+    first_dense = hf.get("first_k_dense_replace")
+    if first_dense is not None and not (
+        isinstance(first_dense, int) and 0 <= first_dense <= layers
+    ):
+        errors.append(
+            f"config.json first_k_dense_replace={first_dense!r}: must be an integer in "
+            f"[0, num_hidden_layers={layers}]"
+        )
+    dense = hf.get("mlp_only_layers") or []
+    outside = [i for i in dense if not (isinstance(i, int) and 0 <= i < layers)]
+    if outside:
+        errors.append(
+            f"config.json mlp_only_layers={dense}: {outside} outside [0, num_hidden_layers="
+            f"{layers})"
+        )
+    n_group, topk_group = sizes.get("n_group", 1), sizes.get("topk_group", 1)
+    if experts and n_group > 1:
+        if experts % n_group:
+            errors.append(f"config.json n_group={n_group} does not divide {expert_key}={experts}")
+        elif topk_group > n_group:
+            errors.append(f"config.json topk_group={topk_group}: more than n_group={n_group}")
+        elif topk is not None and topk_group * (experts // n_group) < topk <= experts:
+            errors.append(
+                f"config.json num_experts_per_tok={topk}: more than the {topk_group} groups "
+                f"(topk_group) x {experts // n_group} experts a token may be routed to"
+            )
+    return errors
+
+
 def layout_errors(
     hf: dict[str, Any], world: int, tp: int, pp: int, ep: int, etp: int, sp: bool
 ) -> list[str]:
-    """Parallel sizes against the trainer world and the model's dimensions."""
-    errors = []
+    """The model's shape (:func:`model_config_errors`; when it has errors, only those: the
+    parallel checks below read it), then parallel sizes against the trainer world and the
+    model's dimensions."""
+    errors = model_config_errors(hf)
+    if errors:
+        return errors
     ranks = f"the {world} trainer ranks (launch.trainer_nodes x launch.trainer_gpus_per_node)"
     if world % (tp * pp):
         errors.append(

@@ -217,7 +217,9 @@ class TrainConfig:
         eval_every: held-out evaluation every this many steps (and at 0 and the end).
         save_every: run checkpoint (model, optimizer, RNG, data position, weight version)
             every this many steps, and always after the last one; 0 = only after the last.
-        resume: continue from the latest run checkpoint in ``run_dir``.
+        resume: continue from the latest run checkpoint in ``run_dir`` that verifies.
+        resume_from: with ``resume``, the step of the run checkpoint to continue from (an
+            error when it is missing or fails verification); None: the latest that verifies.
         seed: seed of data order, sampling and initialisation.
         distributed_timeout_minutes: timeout of the trainer ranks' collectives (torchrun). The
             ranks other than 0 wait in one while rank 0 generates and evaluates, so it must
@@ -254,6 +256,7 @@ class TrainConfig:
     eval_every: int = 10
     save_every: int = 0
     resume: bool = False
+    resume_from: int | None = None
     seed: int = 1234
     distributed_timeout_minutes: float = 120.0
     params_dtype: str | None = None
@@ -283,6 +286,10 @@ class TrainConfig:
                 )
         if self.max_tokens_per_micro_batch is not None:
             _positive("train", self, "max_tokens_per_micro_batch")
+        if self.resume_from is not None and (not self.resume or self.resume_from < 1):
+            raise ValueError(
+                f"train.resume_from={self.resume_from} needs train.resume=true and a step >= 1"
+            )
         if self.save_every < 0:
             raise ValueError(f"train.save_every must be >= 0, got {self.save_every}")
         if self.routing_diagnostic_interval < 0:
