@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import binascii
 import json
 import math
 import os
@@ -59,11 +60,70 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from megatron_sat.routing.payload import compact_expert_dtype
+
 PAPER_BUDGET = 32768  # dynamic batching: 32k tokens per GPU
 PAPER_CAP = 32768  # max response length
 PROMPT_RANGE = (64, 512)
 MEDIAN, SIGMA = 6000.0, 0.9
 NUM_EXPERTS, TOP_K = 128, 8
+_WIRE_INT32 = np.dtype("<i4")
+
+
+def _decode_routed_experts_stdlib(
+    payload_b64: str, *, num_tokens: int, num_layers: int, top_k: int, num_experts: int
+) -> np.ndarray:
+    """Today's decoder before pybase64 (``routing.payload`` at 4fbf612, verbatim): the stdlib
+    path the bench times against, and tests/test_route_decode.py's oracle.
+
+    Args:
+        payload_b64: base64 of int32 little-endian bytes.
+        num_tokens: expected rows, ``prompt_len + response_len - 1 - routed_experts_start_len``.
+        num_layers: ``num_hidden_layers`` of the served model.
+        top_k: ``num_experts_per_tok``.
+        num_experts: routed experts per layer; every id must lie in [0, num_experts).
+
+    Returns:
+        Array [num_tokens, num_layers, top_k], uint8 if num_experts <= 256 else int16.
+
+    Raises:
+        ValueError: on invalid base64, a byte length that does not match the expected shape
+            (the message names expected and actual int32 counts), or an out-of-range expert id.
+    """
+    for field, value in (("num_tokens", num_tokens), ("num_layers", num_layers), ("top_k", top_k)):
+        if value < 0:
+            raise ValueError(f"{field} must be >= 0, got {value}")
+    out_dtype = compact_expert_dtype(num_experts)
+    try:
+        raw = base64.b64decode(payload_b64, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise ValueError(f"routed_experts payload is not valid base64: {e}") from e
+    expected = num_tokens * num_layers * top_k
+    if len(raw) % _WIRE_INT32.itemsize != 0:
+        raise ValueError(
+            f"routed_experts payload has {len(raw)} bytes, not a multiple of 4 (int32); "
+            f"expected {expected} int32 values for shape [{num_tokens}, {num_layers}, {top_k}]"
+        )
+    actual = len(raw) // _WIRE_INT32.itemsize
+    if actual != expected:
+        rows = actual / (num_layers * top_k) if num_layers * top_k else float("nan")
+        layers = actual / (num_tokens * top_k) if num_tokens * top_k else float("nan")
+        raise ValueError(
+            f"routed_experts payload has {actual} int32 values, expected {expected} for shape "
+            f"[num_tokens={num_tokens}, num_layers={num_layers}, top_k={top_k}]: it holds "
+            f"{rows:g} rows of {num_layers}x{top_k}, or {layers:g} layers for {num_tokens} "
+            f"tokens (the model has num_hidden_layers={num_layers}, dense layers included)"
+        )
+    ids = np.frombuffer(raw, dtype=_WIRE_INT32).reshape(num_tokens, num_layers, top_k)
+    if ids.size:
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= num_experts:
+            bad = np.argwhere((ids < 0) | (ids >= num_experts))[0].tolist()
+            raise ValueError(
+                f"routed_experts id out of range [0, {num_experts}): min {lo}, max {hi}; "
+                f"first bad entry at [token, layer, k]={bad}"
+            )
+    return ids.astype(out_dtype)
 
 
 def synthetic_lengths(num: int, scale: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
