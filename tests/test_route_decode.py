@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import base64
 import importlib.util
+import json
 from pathlib import Path
 
 import numpy as np
+import orjson
 import pytest
 
 from megatron_sat.routing.payload import decode_routed_experts, encode_routed_experts
+from megatron_sat.routing.wire import split_routed_experts
 
 _BENCH = Path(__file__).resolve().parents[1] / "bench" / "data_path.py"
 
@@ -165,3 +168,146 @@ def test_agrees_on_random_mutations(seed):
             assert _message(decode_routed_experts, mutated, shape) == str(e)
         else:
             assert decode_routed_experts(mutated, **shape).tobytes() == want.tobytes()
+
+
+# ---- reply bodies: routes cut out of the raw bytes (routing.wire) -------------------------------
+
+
+def _reply(seed: int, *, routes: bool = True, text: str = "", num_tokens: int = 5) -> dict:
+    """A reply shaped as SGLang 0.5.23 serializes it (tokenizer_manager._handle_batch_output)."""
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(3, 150_000, size=num_tokens).tolist()
+    meta = {
+        "id": f"req-{seed}",
+        "finish_reason": {"type": "length", "length": num_tokens},
+        "prompt_tokens": 7,
+        "weight_version": "3",
+        "completion_tokens": num_tokens,
+        "cached_tokens": 0,
+        "output_token_logprobs": [[-0.25 * i, t, None] for i, t in enumerate(ids)],
+        "e2e_latency": 0.5,
+    }
+    if routes:
+        meta["routed_experts"] = encode_routed_experts(
+            rng.integers(0, 128, size=(7 + num_tokens - 1, 48, 8))
+        )
+    return {"text": text, "output_ids": ids, "meta_info": meta}
+
+
+TRICKY_TEXT = [
+    "",
+    'the "routed_experts" key',
+    '{"routed_experts":"AAAA"}',
+    '\\"routed_experts":"',
+    "routed_experts\\",
+    'ends with a backslash \\\\"routed_experts":"AAAA',
+    "é \u001b \n\t control and non-ASCII",
+]
+
+
+def _check_split(replies: list[dict], body: bytes, batched: bool) -> None:
+    want = json.loads(body)
+    want = want if batched else [want]
+    got, payloads = split_routed_experts(body)
+    got, payloads = (got, payloads) if batched else ([got], [payloads])
+    assert len(got) == len(payloads) == len(want)
+    for reply, payload, expected in zip(got, payloads, want, strict=True):
+        routes = expected["meta_info"].pop("routed_experts", None)
+        assert reply == expected
+        if routes is None:
+            assert payload is None
+        else:
+            assert isinstance(payload, memoryview) and payload.readonly
+            assert bytes(payload) == routes.encode()
+
+
+@pytest.mark.parametrize("text", TRICKY_TEXT)
+@pytest.mark.parametrize("dumps", ["orjson", "json_spaced"])
+def test_split_single_reply_equals_json_loads(text, dumps):
+    reply = _reply(1, text=text)
+    reply["meta_info"]["note"] = text  # the text again, before and after the routes
+    reply["routed_experts"] = 3  # a top-level key of the same name, not a string
+    body = orjson.dumps(reply) if dumps == "orjson" else json.dumps(reply, indent=1).encode()
+    _check_split([reply], body, batched=False)
+
+
+@pytest.mark.parametrize("text", TRICKY_TEXT)
+def test_split_batched_reply_equals_json_loads(text):
+    replies = [_reply(2, text=text), _reply(3, routes=False, text=text), _reply(4, text=text)]
+    replies[1]["meta_info"]["routed_experts"] = None
+    replies.append(_reply(5, routes=False))
+    replies.append(_reply(6, num_tokens=0))  # an empty payload still is one
+    replies[-1]["meta_info"]["routed_experts"] = ""
+    _check_split(replies, orjson.dumps(replies), batched=True)
+
+
+def test_split_payload_decodes_in_place():
+    reply = _reply(7, num_tokens=9)
+    body = orjson.dumps(reply)
+    parsed, payload = split_routed_experts(body)
+    shape = dict(num_tokens=7 + 9 - 1, num_layers=48, top_k=8, num_experts=128)
+    got = decode_routed_experts(payload, **shape)
+    want = decode_stdlib(json.loads(body)["meta_info"]["routed_experts"], **shape)
+    assert got.tobytes() == want.tobytes() and got.dtype == np.uint8
+    assert "routed_experts" not in parsed["meta_info"]
+
+
+def test_split_without_routes_returns_none():
+    reply = _reply(8, routes=False)
+    parsed, payload = split_routed_experts(orjson.dumps(reply))
+    assert payload is None and parsed == reply
+
+
+def test_split_escaped_key_spelling_parses_as_json_does():
+    body = orjson.dumps(_reply(9, routes=False, text="x\u0001")).replace(
+        b'"e2e_latency"', b'"routed\\u005fexperts":"AAAA","e2e_latency"'
+    )
+    parsed, payload = split_routed_experts(body)
+    assert bytes(payload) == b"AAAA" and "routed_experts" not in parsed["meta_info"]
+
+
+@pytest.mark.parametrize(
+    "body,message",
+    [
+        (b"", "reply body is not valid JSON: "),
+        (b'{"text": "a", "meta_info": {', "reply body is not valid JSON: "),
+        (
+            b'{"meta_info": {"routed_experts": "AAAA", }}',
+            "reply body is not valid JSON: ",
+        ),
+        (
+            b'{"meta_info": {"routed_experts": "AAAA',
+            "routed_experts value at byte 34 is not terminated",
+        ),
+        (
+            b'{"meta_info": {"routed_experts": "AA\\"AA"}}',
+            "routed_experts value at byte 34 holds a backslash: not base64",
+        ),
+        (b'{"meta_info": {"routed_experts": 7}}', "reply: meta_info.routed_experts is a JSON int"),
+        (b'{"meta_info": [1]}', "reply: meta_info is a JSON list, not an object"),
+        (b'[{"meta_info": {}}, 3]', "reply 1 is a JSON int, not an object"),
+        (b'"routed_experts"', "reply is a JSON str, not an object"),
+        (
+            b'{"meta_info": {}, "x": {"routed_experts": "AAAA"}}',
+            "reply body has a string-valued routed_experts key at byte 24 that no reply's",
+        ),
+        (
+            b'{"meta_info": {"routed_experts": "AAAA", "routed_experts": "BBBB"}}',
+            "reply body has a string-valued routed_experts key at byte 41 that no reply's",
+        ),
+        (b'{"a": "x"routed_experts":"AAAA"}', "reply body is not valid JSON: "),
+        (
+            b'{"meta_info": {"routed\\u005fexperts": ""}, "x": {"routed_experts": "AAAA"}}',
+            "reply 0: meta_info.routed_experts is spelled with escapes while another",
+        ),
+    ],
+)
+def test_split_refuses_malformed_bodies(body, message):
+    with pytest.raises(ValueError) as info:
+        split_routed_experts(body)
+    assert str(info.value).startswith(message)
+
+
+def test_split_refuses_a_body_that_is_not_bytes():
+    with pytest.raises(TypeError, match="reply body must be bytes or bytearray, got str"):
+        split_routed_experts('{"meta_info": {}}')
