@@ -7,7 +7,7 @@ median 6,000 and sigma 0.9 (mean about 8.4k after the cap, the issue's 8.4k toke
 about 3 % of responses hit the cap), cap 32k tokens minus the longest prompt so that every
 sample fits the budget; prompt lengths uniform in [64, 512]. Everything is divided by
 ``--scale`` (default 16: median 375, budget 2,048 tokens). Routing: the paper's model
-(Qwen3-30B-A3B: 48 layers, top-8 of 128 experts) with ``--layers`` (default 12) layers.
+(Qwen3-30B-A3B: 48 layers, top-8 of 128 experts) with ``--layers`` (default 48) layers.
 
 Micro-batches per data-parallel rank (``--dp`` = 2 shares of whole groups, ``rl.dp_shares``):
 
@@ -23,9 +23,18 @@ the fixed count (what a device must hold), against the budget.
 
 Time (one process, all ranks' shares in turn, median of ``--repeats``): from the JSON bodies of
 SGLang ``/generate`` responses (``output_ids``, ``meta_info.output_token_logprobs``, base64
-``routed_experts``) to micro-batches with routes: ``json.loads``, route decoding
-(``routing.payload.decode_routed_experts``), ``Sample`` objects, grouping, and
-``training.batching.build_micro_batch``; in seconds per million tokens.
+``routed_experts``; orjson-serialized as SGLang does) to micro-batches with routes:
+``routing.wire.split_routed_experts`` (the routes stay in the body's bytes, the rest parsed by
+orjson), route decoding from those bytes (``routing.payload.decode_routed_experts``: pybase64),
+``Sample`` objects (``parse_s_per_million_tokens``, goal <= 1.5), grouping, and
+``training.batching.build_micro_batch`` (``build_s_per_million_tokens``); the sum is
+``responses_to_micro_batches_s_per_million_tokens`` (goal <= 3.0), in seconds per million
+tokens. In the same run, today's path for the ratio: ``json.loads`` of the whole body and the
+stdlib decoder (``parse_stdlib_s_per_million_tokens``, ``_decode_routed_experts_stdlib``), and
+the two decoders alone (``decode_s_per_million_tokens``, ``decode_stdlib_...``). Host memory of
+rank 0 (``rank0_peak_host_bytes_per_token``, see :func:`peak_host_bytes`) is next to the
+compact routes (``compact_route_bytes_per_token``: layers x top-k x 1 byte) and the bodies.
+``--profile-build N`` prints cProfile's N costliest functions of one build to stderr.
 
 Time on every rank of a 2-process torchrun (gloo, one thread per rank; the bench launches it
 with ``--dp 2`` unless ``--no-torchrun``): rank 0 parses the response bodies into samples, the
