@@ -31,3 +31,7 @@ def __getattr__(name: str) -> Any:
     if name in _DEVICE_EXPORTS:
         return getattr(importlib.import_module("megatron_sat.platform.device"), name)
     raise AttributeError(f"module 'megatron_sat.platform' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
