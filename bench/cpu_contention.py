@@ -176,7 +176,10 @@ def measure(args, variant: str, loaded: bool) -> dict:
     line = [x for x in proc.stdout.splitlines() if x.startswith("CONTENTION ")]
     if proc.returncode != 0 or not line:
         raise RuntimeError(f"{variant} worker failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    return json.loads(line[0].removeprefix("CONTENTION "))
+    out = json.loads(line[0].removeprefix("CONTENTION "))
+    where = "loaded" if loaded else "alone"
+    print(f"{variant} {where} (load {os.getloadavg()[0]:.1f}): {json.dumps(out)}", file=sys.stderr)
+    return out
 
 
 def main() -> None:
