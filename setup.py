@@ -27,6 +27,10 @@ INSTALL_REQUIRES = [
     "fastapi>=0.115",
     "uvicorn>=0.30",
     "httpx>=0.27,<0.29",
+    # The rollout data path: SIMD validating base64 of the routes, reply bodies without
+    # copying them through a Python str (megatron_sat.routing.payload, routing.wire).
+    "pybase64>=1.4,<2",
+    "orjson>=3.10,<4",
     # megatron-core's metadata asks for Python 3.12; on 3.11 tools/bootstrap.sh installs the
     # pinned 0.19.2 with --ignore-requires-python (it runs on 3.11).
     'megatron-core>=0.19.2,<0.20; python_version >= "3.12"',

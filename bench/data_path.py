@@ -7,7 +7,7 @@ median 6,000 and sigma 0.9 (mean about 8.4k after the cap, the issue's 8.4k toke
 about 3 % of responses hit the cap), cap 32k tokens minus the longest prompt so that every
 sample fits the budget; prompt lengths uniform in [64, 512]. Everything is divided by
 ``--scale`` (default 16: median 375, budget 2,048 tokens). Routing: the paper's model
-(Qwen3-30B-A3B: 48 layers, top-8 of 128 experts) with ``--layers`` (default 12) layers.
+(Qwen3-30B-A3B: 48 layers, top-8 of 128 experts) with ``--layers`` (default 48) layers.
 
 Micro-batches per data-parallel rank (``--dp`` = 2 shares of whole groups, ``rl.dp_shares``):
 
@@ -23,9 +23,18 @@ the fixed count (what a device must hold), against the budget.
 
 Time (one process, all ranks' shares in turn, median of ``--repeats``): from the JSON bodies of
 SGLang ``/generate`` responses (``output_ids``, ``meta_info.output_token_logprobs``, base64
-``routed_experts``) to micro-batches with routes: ``json.loads``, route decoding
-(``routing.payload.decode_routed_experts``), ``Sample`` objects, grouping, and
-``training.batching.build_micro_batch``; in seconds per million tokens.
+``routed_experts``; orjson-serialized as SGLang does) to micro-batches with routes:
+``routing.wire.split_routed_experts`` (the routes stay in the body's bytes, the rest parsed by
+orjson), route decoding from those bytes (``routing.payload.decode_routed_experts``: pybase64),
+``Sample`` objects (``parse_s_per_million_tokens``, goal <= 1.5), grouping, and
+``training.batching.build_micro_batch`` (``build_s_per_million_tokens``); the sum is
+``responses_to_micro_batches_s_per_million_tokens`` (goal <= 3.0), in seconds per million
+tokens. In the same run, today's path for the ratio: ``json.loads`` of the whole body and the
+stdlib decoder (``parse_stdlib_s_per_million_tokens``, ``_decode_routed_experts_stdlib``), and
+the two decoders alone (``decode_s_per_million_tokens``, ``decode_stdlib_...``). Host memory of
+rank 0 (``rank0_peak_host_bytes_per_token``, see :func:`peak_host_bytes`) is next to the
+compact routes (``compact_route_bytes_per_token``: layers x top-k x 1 byte) and the bodies.
+``--profile-build N`` prints cProfile's N costliest functions of one build to stderr.
 
 Time on every rank of a 2-process torchrun (gloo, one thread per rank; the bench launches it
 with ``--dp 2`` unless ``--no-torchrun``): rank 0 parses the response bodies into samples, the
@@ -47,6 +56,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import binascii
 import json
 import math
 import os
@@ -57,13 +67,73 @@ import time
 from pathlib import Path
 
 import numpy as np
+import orjson
 import torch
+
+from megatron_sat.routing.payload import compact_expert_dtype
 
 PAPER_BUDGET = 32768  # dynamic batching: 32k tokens per GPU
 PAPER_CAP = 32768  # max response length
 PROMPT_RANGE = (64, 512)
 MEDIAN, SIGMA = 6000.0, 0.9
 NUM_EXPERTS, TOP_K = 128, 8
+_WIRE_INT32 = np.dtype("<i4")
+
+
+def _decode_routed_experts_stdlib(
+    payload_b64: str, *, num_tokens: int, num_layers: int, top_k: int, num_experts: int
+) -> np.ndarray:
+    """Today's decoder before pybase64 (``routing.payload`` at 4fbf612, verbatim): the stdlib
+    path the bench times against, and tests/test_route_decode.py's oracle.
+
+    Args:
+        payload_b64: base64 of int32 little-endian bytes.
+        num_tokens: expected rows, ``prompt_len + response_len - 1 - routed_experts_start_len``.
+        num_layers: ``num_hidden_layers`` of the served model.
+        top_k: ``num_experts_per_tok``.
+        num_experts: routed experts per layer; every id must lie in [0, num_experts).
+
+    Returns:
+        Array [num_tokens, num_layers, top_k], uint8 if num_experts <= 256 else int16.
+
+    Raises:
+        ValueError: on invalid base64, a byte length that does not match the expected shape
+            (the message names expected and actual int32 counts), or an out-of-range expert id.
+    """
+    for field, value in (("num_tokens", num_tokens), ("num_layers", num_layers), ("top_k", top_k)):
+        if value < 0:
+            raise ValueError(f"{field} must be >= 0, got {value}")
+    out_dtype = compact_expert_dtype(num_experts)
+    try:
+        raw = base64.b64decode(payload_b64, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise ValueError(f"routed_experts payload is not valid base64: {e}") from e
+    expected = num_tokens * num_layers * top_k
+    if len(raw) % _WIRE_INT32.itemsize != 0:
+        raise ValueError(
+            f"routed_experts payload has {len(raw)} bytes, not a multiple of 4 (int32); "
+            f"expected {expected} int32 values for shape [{num_tokens}, {num_layers}, {top_k}]"
+        )
+    actual = len(raw) // _WIRE_INT32.itemsize
+    if actual != expected:
+        rows = actual / (num_layers * top_k) if num_layers * top_k else float("nan")
+        layers = actual / (num_tokens * top_k) if num_tokens * top_k else float("nan")
+        raise ValueError(
+            f"routed_experts payload has {actual} int32 values, expected {expected} for shape "
+            f"[num_tokens={num_tokens}, num_layers={num_layers}, top_k={top_k}]: it holds "
+            f"{rows:g} rows of {num_layers}x{top_k}, or {layers:g} layers for {num_tokens} "
+            f"tokens (the model has num_hidden_layers={num_layers}, dense layers included)"
+        )
+    ids = np.frombuffer(raw, dtype=_WIRE_INT32).reshape(num_tokens, num_layers, top_k)
+    if ids.size:
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= num_experts:
+            bad = np.argwhere((ids < 0) | (ids >= num_experts))[0].tolist()
+            raise ValueError(
+                f"routed_experts id out of range [0, {num_experts}): min {lo}, max {hi}; "
+                f"first bad entry at [token, layer, k]={bad}"
+            )
+    return ids.astype(out_dtype)
 
 
 def synthetic_lengths(num: int, scale: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -78,7 +148,8 @@ def synthetic_lengths(num: int, scale: int, seed: int) -> tuple[np.ndarray, np.n
 
 
 def response_bodies(prompts: np.ndarray, responses: np.ndarray, layers: int, seed: int):
-    """One SGLang /generate response body (JSON bytes) per sample, routes for P + R - 1 rows."""
+    """One SGLang /generate response body (JSON bytes, orjson-serialized as SGLang 0.5.23's
+    ``ORJSONResponse`` does) per sample, routes for P + R - 1 rows."""
     rng = np.random.default_rng(seed + 1)
     bodies = []
     for p, r in zip(prompts.tolist(), responses.tolist(), strict=True):
@@ -102,42 +173,67 @@ def response_bodies(prompts: np.ndarray, responses: np.ndarray, layers: int, see
                 "routed_experts": base64.b64encode(routes.tobytes()).decode(),
             },
         }
-        bodies.append(json.dumps(body).encode())
+        bodies.append(orjson.dumps(body))
     return bodies
 
 
-def to_samples(bodies, prompts: np.ndarray, layers: int):
-    """Parse the bodies as the client does and build ``Sample`` objects (prompt ids synthetic)."""
+def _sample(i: int, p: int, ids: list[int], logprobs: list[float], version: int, routed):
     from megatron_sat.rollout.types import Sample
-    from megatron_sat.routing.payload import decode_routed_experts
 
+    return Sample(
+        index=i,
+        group_index=i,
+        prompt="",
+        label="",
+        prompt_ids=[1] * p,
+        response_ids=ids,
+        rollout_log_probs=logprobs,
+        response_versions=[version] * len(ids),
+        routed_experts=routed,
+    )
+
+
+def to_samples(bodies, prompts: np.ndarray, layers: int):
+    """Parse the bodies as the client will (``routing.wire.split_routed_experts``: the routes
+    decoded from views of the body) and build ``Sample`` objects (prompt ids synthetic)."""
+    from megatron_sat.routing.payload import decode_routed_experts
+    from megatron_sat.routing.wire import split_routed_experts
+
+    samples = []
+    for i, (raw, p) in enumerate(zip(bodies, prompts.tolist(), strict=True)):
+        item, payload = split_routed_experts(raw)
+        meta = item["meta_info"]
+        ids = [int(t) for t in item["output_ids"]]
+        logprobs = [float(e[0]) for e in meta["output_token_logprobs"]]
+        routed = decode_routed_experts(
+            payload,
+            num_tokens=p + len(ids) - 1,
+            num_layers=layers,
+            top_k=TOP_K,
+            num_experts=NUM_EXPERTS,
+        )
+        del payload
+        samples.append(_sample(i, p, ids, logprobs, int(meta["weight_version"]), routed))
+    return samples
+
+
+def to_samples_stdlib(bodies, prompts: np.ndarray, layers: int):
+    """Today's client path, for the ratio: ``json.loads`` of the whole body, then
+    :func:`_decode_routed_experts_stdlib` of the ``str`` payload."""
     samples = []
     for i, (raw, p) in enumerate(zip(bodies, prompts.tolist(), strict=True)):
         item = json.loads(raw)
         meta = item["meta_info"]
         ids = [int(t) for t in item["output_ids"]]
         logprobs = [float(e[0]) for e in meta["output_token_logprobs"]]
-        routed = decode_routed_experts(
+        routed = _decode_routed_experts_stdlib(
             meta["routed_experts"],
             num_tokens=p + len(ids) - 1,
             num_layers=layers,
             top_k=TOP_K,
             num_experts=NUM_EXPERTS,
         )
-        version = int(meta["weight_version"])
-        samples.append(
-            Sample(
-                index=i,
-                group_index=i,
-                prompt="",
-                label="",
-                prompt_ids=[1] * p,
-                response_ids=ids,
-                rollout_log_probs=logprobs,
-                response_versions=[version] * len(ids),
-                routed_experts=routed,
-            )
-        )
+        samples.append(_sample(i, p, ids, logprobs, int(meta["weight_version"]), routed))
     return samples
 
 
@@ -231,6 +327,87 @@ def run_torchrun_phase(args) -> list[dict]:
     return json.loads(line[0].removeprefix("DATA_PATH_TORCHRUN "))
 
 
+def _tensor_bytes(mbs) -> int:
+    """Bytes of every tensor the micro-batches hold (torch's CPU allocator is invisible to
+    tracemalloc)."""
+    return sum(
+        v.numel() * v.element_size()
+        for mb in mbs
+        for v in vars(mb).values()
+        if isinstance(v, torch.Tensor)
+    )
+
+
+def peak_host_bytes(parse, build) -> dict[str, int]:
+    """Host memory that parsing and building add to rank 0, in bytes, over what it held before
+    (the response bodies): ``peak``, the largest of tracemalloc's peak (Python objects and numpy
+    buffers: bodies' parsed rest, payload decodes, samples) over the parse, and of the samples
+    plus the micro-batches' tensors at the end of the build (the batch built, the samples still
+    held, as the trainer holds them); ``samples``, the samples alone after the parse;
+    ``micro_batches``, the tensors of the micro-batches.
+    """
+    import gc
+    import tracemalloc
+
+    gc.collect()
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    samples = parse()
+    held_samples, parse_peak = (v - base for v in tracemalloc.get_traced_memory())
+    tracemalloc.stop()
+    mbs = build(samples)
+    tensors = _tensor_bytes(mbs)
+    del mbs, samples
+    return {
+        "peak": max(parse_peak, held_samples + tensors),
+        "samples": held_samples,
+        "micro_batches": tensors,
+    }
+
+
+def decode_times(bodies, prompts: np.ndarray, layers: int, repeats: int) -> dict[str, float]:
+    """Seconds to decode every body's routes alone (median of ``repeats``, the two decoders
+    interleaved): ``fast`` (``decode_routed_experts`` of the ``str``) and ``stdlib``."""
+    from megatron_sat.routing.payload import decode_routed_experts
+
+    items = [json.loads(b) for b in bodies]
+    payloads = [
+        (item["meta_info"]["routed_experts"], p + len(item["output_ids"]) - 1)
+        for item, p in zip(items, prompts.tolist(), strict=True)
+    ]
+    del items
+    out: dict[str, list[float]] = {"fast": [], "stdlib": []}
+    for _ in range(repeats):
+        for name, fn in (
+            ("stdlib", _decode_routed_experts_stdlib),
+            ("fast", decode_routed_experts),
+        ):
+            t0 = time.perf_counter()
+            for payload, rows in payloads:
+                fn(
+                    payload,
+                    num_tokens=rows,
+                    num_layers=layers,
+                    top_k=TOP_K,
+                    num_experts=NUM_EXPERTS,
+                )
+            out[name].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in out.items()}
+
+
+def profile_build(build, samples, top: int) -> None:
+    """cProfile one grouping + build of ``samples``; print the ``top`` costliest to stderr."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    build(samples)
+    profiler.disable()
+    pstats.Stats(profiler, stream=sys.stderr).sort_stats("cumulative").print_stats(top)
+    pstats.Stats(profiler, stream=sys.stderr).sort_stats("tottime").print_stats(top)
+
+
 def main() -> None:
     """Run the bench; see the module docstring."""
     from megatron_sat.training.batching import build_micro_batch
@@ -246,11 +423,18 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--group-size", type=int, default=16)
     parser.add_argument("--scale", type=int, default=16)
-    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--layers", type=int, default=48)
     parser.add_argument("--dp", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-torchrun", action="store_true", help="skip the torchrun phase")
+    parser.add_argument(
+        "--profile-build",
+        type=int,
+        default=0,
+        metavar="N",
+        help="print cProfile's N costliest functions (cumulative) of one build to stderr",
+    )
     parser.add_argument("--dist-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.dist_worker:
@@ -279,17 +463,14 @@ def main() -> None:
 
     bodies = response_bodies(prompts, responses, args.layers, args.seed)
     routing_shape = (args.layers, TOP_K, NUM_EXPERTS)
-    times = {"parse": [], "group": [], "build": []}
-    for _ in range(args.repeats):
-        t0 = time.perf_counter()
-        samples = to_samples(bodies, prompts, args.layers)
-        t1 = time.perf_counter()
+
+    def build(samples):
         rows = []
         for share in shares:
             local = samples[share]
             groups = token_budget_micro_batches([s.num_tokens for s in local], budget)
             rows.append([[share.start + i for i in g] for g in groups])
-        t2 = time.perf_counter()
+        t_grouped = time.perf_counter()
         advantages = torch.zeros(num)
         mbs = [
             build_micro_batch(
@@ -301,24 +482,61 @@ def main() -> None:
             for share_rows in rows
             for g in share_rows
         ]
+        return t_grouped, mbs
+
+    times = {"parse": [], "group": [], "build": [], "parse_stdlib": []}
+    for _ in range(args.repeats):
+        t0 = time.perf_counter()
+        samples = to_samples_stdlib(bodies, prompts, args.layers)
+        times["parse_stdlib"].append(time.perf_counter() - t0)
+        reference = [s.routed_experts for s in samples]
+        del samples
+        t0 = time.perf_counter()
+        samples = to_samples(bodies, prompts, args.layers)
+        t1 = time.perf_counter()
+        t2, mbs = build(samples)
         t3 = time.perf_counter()
         times["parse"].append(t1 - t0)
         times["group"].append(t2 - t1)
         times["build"].append(t3 - t2)
+        assert all(
+            a.dtype == b.dtype and a.tobytes() == b.tobytes()
+            for a, b in zip(reference, (s.routed_experts for s in samples), strict=True)
+        ), "the fast parse decoded other routes than the stdlib path"
         assert sum(int(mb.input_ids.numel()) for mb in mbs) == sum(lengths) + padded_tokens(
             lengths, budget_groups
         )
-        del mbs, samples
+        del mbs, samples, reference
+    decode = decode_times(bodies, prompts, args.layers, args.repeats)
+    memory = peak_host_bytes(
+        lambda: to_samples(bodies, prompts, args.layers), lambda samples: build(samples)[1]
+    )
+    if args.profile_build:
+        profile_build(build, to_samples(bodies, prompts, args.layers), args.profile_build)
     real = sum(lengths)
     per_million = {k: statistics.median(v) / real * 1e6 for k, v in times.items()}
+    compact = args.layers * TOP_K * compact_expert_dtype(NUM_EXPERTS).itemsize
     result = {
         "padding_waste": round(waste, 4),
         "fixed_count_padding_waste": round(fixed_waste, 4),
         "goal_padding_waste": 0.05,
-        "responses_to_micro_batches_s_per_million_tokens": round(sum(per_million.values()), 3),
+        "responses_to_micro_batches_s_per_million_tokens": round(
+            per_million["parse"] + per_million["group"] + per_million["build"], 3
+        ),
+        "goal_responses_to_micro_batches_s_per_million_tokens": 3.0,
         "parse_s_per_million_tokens": round(per_million["parse"], 3),
+        "goal_parse_s_per_million_tokens": 1.5,
+        "parse_stdlib_s_per_million_tokens": round(per_million["parse_stdlib"], 3),
+        "parse_speedup_vs_stdlib": round(per_million["parse_stdlib"] / per_million["parse"], 2),
+        "decode_s_per_million_tokens": round(decode["fast"] / real * 1e6, 3),
+        "decode_stdlib_s_per_million_tokens": round(decode["stdlib"] / real * 1e6, 3),
         "group_s_per_million_tokens": round(per_million["group"], 4),
         "build_s_per_million_tokens": round(per_million["build"], 3),
+        "rank0_peak_host_bytes_per_token": round(memory["peak"] / real, 1),
+        "rank0_samples_host_bytes_per_token": round(memory["samples"] / real, 1),
+        "rank0_micro_batch_host_bytes_per_token": round(memory["micro_batches"] / real, 1),
+        "compact_route_bytes_per_token": compact,
+        "response_body_bytes_per_token": round(sum(len(b) for b in bodies) / real, 1),
         "max_tokens_per_micro_batch": budget,
         "micro_batches_token_budget": len(budget_groups),
         "micro_batches_fixed_count": len(fixed_groups),
@@ -355,6 +573,14 @@ def main() -> None:
         f"fixed count {fixed_waste:.4f} ({len(fixed_groups)} micro-batches, sizes {fixed_sizes},"
         f" largest {fixed_max} tokens); responses -> micro-batches "
         f"{result['responses_to_micro_batches_s_per_million_tokens']:.2f} s per million tokens"
+        f" (parse {result['parse_s_per_million_tokens']:.2f}, today's json + stdlib base64 "
+        f"{result['parse_stdlib_s_per_million_tokens']:.2f}: "
+        f"{result['parse_speedup_vs_stdlib']:.1f}x; "
+        f"build {result['build_s_per_million_tokens']:.2f})"
+        f"; rank 0 host memory over parse + build: peak "
+        f"{result['rank0_peak_host_bytes_per_token']:.0f} B/token (samples "
+        f"{result['rank0_samples_host_bytes_per_token']:.0f}, micro-batches "
+        f"{result['rank0_micro_batch_host_bytes_per_token']:.0f}), compact routes {compact} B/token"
     )
     if "torchrun_s_per_million_tokens" in result:
         print(

@@ -8,6 +8,9 @@ bash tools/bootstrap.sh
 source .venv/bin/activate
 # Two cores: the trainer and the rollout server take turns, each may use both.
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}"
+# Idle OpenMP workers sleep instead of spinning on cores other processes need (the count
+# above is unchanged, so are the numbers): megatron_sat/platform/threads.py, bench/cpu_contention.py.
+export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
 if [[ ! -f data/arith/test.jsonl ]]; then
   python tools/make_arith_dataset.py --out-dir data/arith --seed 0 \
     --num-train 15000 --num-test 500 --max-digits 2 --ops +,-

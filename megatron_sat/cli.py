@@ -227,7 +227,16 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Parse ``argv`` and run the subcommand; returns the exit status."""
+    """Parse ``argv`` and run the subcommand; returns the exit status.
+
+    Run as the program (``argv`` None: the console script, ``python -m megatron_sat.cli``),
+    it first applies ``platform.threads.configure_threads``, before anything imports torch (the
+    OpenMP runtime reads its wait policy once, at load); a user's ``OMP_NUM_THREADS`` is kept.
+    """
+    if argv is None:
+        from megatron_sat.platform.threads import configure_threads
+
+        configure_threads()
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["serve"]:
         return _serve(argv[1:])

@@ -7,6 +7,9 @@ bash tools/bootstrap.sh
 # shellcheck disable=SC1091
 source .venv/bin/activate
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}"
+# Idle OpenMP workers sleep instead of spinning on cores other processes need (the count
+# above is unchanged, so are the numbers): megatron_sat/platform/threads.py, bench/cpu_contention.py.
+export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
 ruff check .
 ruff format --check .
 # The house: imports only point down the README's layers, no cycle, functions in budget.

@@ -251,7 +251,11 @@ class RewardWorkers:
 def _end_with_parent(parent_pid: int, poll_s: float = 1.0) -> None:
     """Worker initializer: exit once the parent is gone (PR_SET_PDEATHSIG alone did not do it
     here: it follows the parent *thread*, and one of two workers outlived a SIGKILLed parent,
-    so a daemon thread polls the parent pid), and warm math-verify up."""
+    so a daemon thread polls the parent pid), and warm math-verify up. First the thread
+    policy (``platform.threads``): one thread each, unless the user set ``OMP_NUM_THREADS``."""
+    from megatron_sat.platform.threads import configure_threads
+
+    configure_threads(threads=1)
 
     def watch() -> None:
         while os.getppid() == parent_pid:

@@ -763,6 +763,10 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
 
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if argv is None:  # the server process itself: its threads (the wait policy is inherited)
+        from megatron_sat.platform.threads import configure_threads
+
+        configure_threads()
     config = parse_args(argv)
     # Before the model loads: a trainer killed meanwhile must not leave this server behind.
     _exit_with_parent()
