@@ -215,20 +215,7 @@ def run_rl(cfg: RunConfig) -> dict:
         load_from=cfg.init_checkpoint,
         reference=cfg.objective.kl_coef > 0,  # the k3 KL's pi_ref: the initial checkpoint
     )
-    state = None
-    fresh_after_crash = False
-    if cfg.train.resume:
-        if dist.get_rank() == 0:
-            clean_uncommitted(cfg.run_dir)
-        if dist.is_initialized():
-            dist.barrier()
-        if latest_run_checkpoint(cfg.run_dir) is not None:
-            state = load_run_checkpoint(
-                cfg.run_dir, model=trainer.model, optimizer=trainer.optimizer
-            )
-        else:
-            fresh_after_crash = True
-            print(f"megatron-sat: no committed run checkpoint in {cfg.run_dir}: from step 1")
+    state, fresh_after_crash = _resumed_state(cfg, trainer)
     first_step = 1 if state is None else state.step + 1
     pool_state = None if state is None else state.rollout_state
     if cfg.rollout.mode != "sync" and (pool_state or {}).get("batches") is not None:
@@ -255,6 +242,39 @@ def run_rl(cfg: RunConfig) -> dict:
             followers.tell("abort")
         raise
     return summary
+
+
+def _resumed_state(cfg: RunConfig, trainer: PolicyTrainer):
+    """With ``train.resume``: the run checkpoint to continue from (``train.resume_from``, else
+    the newest committed one that verifies; ``checkpoint.run_state`` says which and why) and
+    False; ``(None, True)`` when a crash came before the first commit. ``(None, False)``
+    without ``train.resume``. A collective.
+
+    Raises:
+        FileNotFoundError: ``train.resume_from`` names a step but the run has no committed
+            checkpoint at all.
+    """
+    if not cfg.train.resume:
+        return None, False
+    if dist.get_rank() == 0:
+        clean_uncommitted(cfg.run_dir)
+    if dist.is_initialized():
+        dist.barrier()
+    if latest_run_checkpoint(cfg.run_dir) is None:
+        if cfg.train.resume_from is not None:
+            raise FileNotFoundError(
+                f"train.resume_from={cfg.train.resume_from}: {cfg.run_dir} holds no committed "
+                "run checkpoint"
+            )
+        print(f"megatron-sat: no committed run checkpoint in {cfg.run_dir}: from step 1")
+        return None, True
+    state = load_run_checkpoint(
+        cfg.run_dir,
+        model=trainer.model,
+        optimizer=trainer.optimizer,
+        resume_from=cfg.train.resume_from,
+    )
+    return state, False
 
 
 def _finish_after_last_step(cfg: RunConfig, trainer: PolicyTrainer, state) -> dict:
