@@ -76,4 +76,4 @@ def test_readme_layers_block():
     lines = block.splitlines()
     assert lines[0] == "```" and lines[1] == "megatron_sat/" and lines[-1] == "```"
     folders = [line.split()[0] for line in lines[2:-1]]
-    assert folders[0] == "cli.py" and folders[-1] == "platform/"
+    assert folders[0] == "cli.py" and folders[-1] == "routing/"

@@ -181,3 +181,10 @@ def test_cli_program_applies_the_policy_before_torch():
         check=True,
     )
     assert out.stdout.strip().splitlines()[-1] == "PASSIVE False"
+
+
+def test_empty_omp_num_threads_is_unset():
+    """``OMP_NUM_THREADS=`` (set but empty) means unset, as OpenMP reads it: the next source
+    decides, and every CLI command keeps working (it refused to start, found by review)."""
+    policy = decide_threads(environ={"OMP_NUM_THREADS": " "}, affinity=range(4))
+    assert (policy.num_threads, policy.source) == (4, "affinity")

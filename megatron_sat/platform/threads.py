@@ -115,6 +115,8 @@ def decide_threads(
         raise ValueError("the CPU affinity of this process is empty")
     _positive_int(num_local_processes, "num_local_processes")
     user_omp = env.get("OMP_NUM_THREADS")
+    if user_omp is not None and not user_omp.strip():
+        user_omp = None  # set but empty, as shells write "unset": OpenMP ignores it too
     if user_omp is not None and user_omp == env.get(CHOSEN_ENV):
         user_omp = None  # written by this module in a parent process, not by the user
     if user_omp is not None:

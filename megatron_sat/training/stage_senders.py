@@ -46,7 +46,8 @@ STAGE_EXPORT = StageExport()
 class StageZeroUpdater(WeightUpdater):
     """Global rank 0's updater (stage 0's sender) as the fleet's ``updater_cls`` when
     ``uses_stage_senders``. The fleet keeps its part (health probes, restarts, regrouping), and
-    each of its calls becomes the collective of every trainer rank (``_Followers``):
+    each of its calls becomes the collective of every trainer rank
+    (``training.followers.Followers``):
 
     - ``connect``: the followers get the members (URL, client timeout and keys: pickled in
       memory, never logged) and this updater's options; each later stage's sender builds its
