@@ -19,6 +19,7 @@ import re
 import sys
 from pathlib import Path
 
+import pytest
 from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -139,25 +140,29 @@ def test_the_list_covers_every_import_of_the_check():
     assert not set(listed) - needed, f"not needed in {LIST.name}: {sorted(set(listed) - needed)}"
 
 
-def test_the_pins_are_the_tested_versions_and_the_check_installs_listed_ones():
+def test_the_pins_are_the_tested_versions_and_the_check_installs_what_differs(monkeypatch):
     for name, version in pins().items():
         assert md.version(name) == version, name
     sys.path.insert(0, str(CHECK.parent))
     try:
-        import check_policy_trainer as check
+        import wheelhouse_install as wi
     finally:
         sys.path.remove(str(CHECK.parent))
-    assert {canonical(d) for d in check.DISTRIBUTIONS.values()} <= set(pins())
-    assert set(check.PART_MODULES) == set(check.PARTS)
-    command = check.install_command(["megatron-core"], Path("/w"))
+    assert wi.WHEEL_LIST == LIST
+    assert {canonical(n): v for n, v in wi.pins().items()} == pins()
+    assert wi.to_install(wi.pins()) == []  # this environment: nothing to install
+    # the device image as last read: transformers 5.17.0, no megatron-core
+    image = {"numpy": "2.4.6", "transformers": "5.17.0"}.get
+    wanted = {"numpy": "2.4.6", "transformers": "5.23.0", "megatron-core": "0.19.2"}
+    assert wi.to_install(wanted, image) == ["transformers==5.23.0", "megatron-core==0.19.2"]
+    command = wi.install_command(["megatron-core==0.19.2"], Path("/w"), Path("/s"))
     assert command[1:] == [
-        "-m",
-        "pip",
-        "install",
-        "--no-index",
-        "--find-links",
-        "/w",
-        "--ignore-requires-python",
-        "megatron-core",
+        *("-m", "pip", "install", "--quiet", "--no-index", "--no-deps", "--no-compile"),
+        *("--ignore-requires-python", "--find-links", "/w", "--target", "/s"),
+        "megatron-core==0.19.2",
     ]
-    assert check.have("json") and not check.have("no_such_package.sub")
+    assert wi.install(Path("/nowhere"), Path("/s")).startswith("all 37 pins")
+    # a pin to install and no wheelhouse: refused, naming both
+    monkeypatch.setattr(wi, "pins", lambda: {"no-such-distribution": "1.0"})
+    with pytest.raises(wi.InstallError, match=r"no wheelhouse at /nowhere .*no-such-dist"):
+        wi.install(Path("/nowhere"), Path("/s"))
