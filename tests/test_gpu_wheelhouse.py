@@ -6,9 +6,10 @@ importing the package modules it uses runs (their module-level imports, recursiv
 bodies import lazily: transformer-engine, SGLang, ...), plus the embedded server module it
 starts (``python -m megatron_sat.rollout.embedded.server``). The distributions providing them
 and their dependencies (this environment's metadata), less torch and torch's own dependencies,
-must all be pinned in the list, at the versions this environment tests. The wheelhouse's size
-(46.8 MiB for CPython 3.12, measured) is printed and bounded by the script itself, which
-downloads: not repeated here.
+must all be pinned in the list, at the versions this environment tests; the check's installer
+(tests/gpu/wheelhouse_install.py) reads the same list and installs exactly the pins that differ.
+The wheelhouse's size (46.9 MiB, 37 wheels for CPython 3.12, measured) is printed and bounded by
+the script itself, which downloads: not repeated here.
 """
 
 from __future__ import annotations
@@ -158,7 +159,7 @@ def test_the_pins_are_the_tested_versions_and_the_check_installs_what_differs(mo
     command = wi.install_command(["megatron-core==0.19.2"], Path("/w"), Path("/s"))
     assert command[1:] == [
         *("-m", "pip", "install", "--quiet", "--no-index", "--no-deps", "--no-compile"),
-        *("--ignore-requires-python", "--find-links", "/w", "--target", "/s"),
+        *("--upgrade", "--ignore-requires-python", "--find-links", "/w", "--target", "/s"),
         "megatron-core==0.19.2",
     ]
     assert wi.install(Path("/nowhere"), Path("/s")).startswith("all 37 pins")

@@ -9,7 +9,8 @@
 # Pure-python and abi3 wheels are shared by every version; numpy, pydantic-core, pyyaml and
 # regex are per version. Prints the folder's size and fails when it is not under the device
 # call's carry limit (64 MiB), since the folder travels with `run(carry=["wheelhouse"])`.
-# The check installs from it with `pip install --no-index --find-links` (no network there).
+# The check installs from it what the image lacks (`pip install --no-index --no-deps
+# --find-links <this folder> --target <a folder of its own>`; no network there).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-wheelhouse}"

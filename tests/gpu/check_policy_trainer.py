@@ -1,61 +1,63 @@
-"""The device check: the paper's RL step, push and resume, as one command.
+"""The device check: the paper's RL step, weight push and resume, as one command.
 
     python3 tests/gpu/check_policy_trainer.py [--mode auto|device|cpu] [--json-out FILE]
+        [--wheelhouse DIR] [--site DIR] [--tmp-dir DIR]
 
-Runs the product's public pieces in the order a run uses them and prints one line per part,
-then ONE line of JSON (``KEYS``). Parts:
+Runs the product's public pieces in the order a run uses them, prints one line per part, then
+ONE line of JSON (every key of ``KEYS``; also written to ``--json-out``). Parts:
 
-1. ``install``: the wheelhouse's pins (tools/gpu_wheelhouse.txt) that this Python lacks or
-   holds at another version are installed offline (``pip install --no-index --find-links
-   WHEELHOUSE --no-deps --target SITE``) into a folder put first on ``sys.path`` and
-   ``PYTHONPATH`` (the server subprocess too), so the image's own packages stay as they are.
-   Done before torch is imported. On an environment with every pin (the CPU venv) nothing is
-   installed and the part says so.
-2. ``build``: the recipe's model (examples/models/qwen3_30b_a3b.json: hidden 2048, 128
-   experts, top-8, MoE FFN 768; only 2 layers and a 128-token vocabulary) built by
-   ``PolicyTrainer`` with random weights and exported with ``save_hf`` (the character
-   tokenizer beside it); then the trainer of the run, loaded from that checkpoint, with the
-   reference policy of the k3 KL.
-3. ``rollouts``: an embedded server (megatron_sat/rollout/embedded/) on this host serves the
-   checkpoint; the first weight push (version 0, as the RL loop's initial sync); the
-   ``RolloutPool`` generates the groups of each step with routes (R3).
+1. ``install``: the pins of tools/gpu_wheelhouse.txt that this Python lacks or holds at another
+   version, installed offline from ``--wheelhouse`` (default ``wheelhouse/``, or
+   ``$MEGATRON_SAT_WHEELHOUSE``) into ``--site``, put first on the paths
+   (tests/gpu/wheelhouse_install.py), before torch is imported; then megatron-core is imported.
+   Where every pin is present (the CPU venv) nothing is installed and the line says so.
+2. ``build``: the recipe's model (examples/models/qwen3_30b_a3b.json: hidden 2048, 32 heads,
+   128 experts, top-8, MoE FFN 768; here 2 layers and a 128-token vocabulary) built by
+   ``PolicyTrainer`` with random weights and exported with ``save_hf`` (with the character
+   tokenizer); then the run's trainer, loaded from that checkpoint, with the reference policy
+   of the k3 KL. Its parameter count must equal ``launch.memory.count_parameters``.
+3. ``rollouts``: an embedded server (megatron_sat/rollout/embedded/) on this host serving that
+   checkpoint, the first weight push (version 0, the RL loop's initial sync) and the
+   ``RolloutPool`` generating each step's groups with their routes (R3).
 4. ``steps``: three ``rl_step``s of the recipe's objective (examples/configs/qwen3_30b_a3b_
-   sat_gspo_r3.yaml: SAT-GSPO, R3, k3 KL 1e-3) with full recompute, bf16, 2 micro-batches per
-   step, a run checkpoint after step 2 (checkpoint/run_state.py). Per step: wall time, host
-   synchronisations, the passes' peak memory (CUDA), ``topk_match_r3`` (must be 1.0),
-   ``kl_loss``.
-5. ``push``: after step 2 a push of version 2 (weight_sync.megatron_push): the server's
-   ``weight_version`` goes 0 -> 2 and its log-probs of the same seeded request change; the
-   batch of step 3 is generated after it, so step 3's ``mismatch_abs_logratio`` is the
-   log-prob gap trainer vs server on the same weights (step 1's likewise, before any update).
+   sat_gspo_r3.yaml: SAT-GSPO, R3, k3 KL 1e-3, live-routing diagnostic) with full recompute,
+   bf16 parameters, 2 micro-batches per step, lr 1e-4 (the recipe's 1e-6 moves no bf16 weight
+   in two steps), and a run checkpoint after step 2 (checkpoint/run_state.py). Each step:
+   ``topk_match_r3`` must be 1.0, the loss finite, ``kl_loss`` > 0 from step 2 on.
+5. ``push``: after step 2, version 2 pushed (weight_sync.megatron_push): the server's
+   ``weight_version`` must go 0 -> 2 and its log-probs of one seeded request must change.
+   Step 3's batch is generated after the push, so step 3's ``mismatch_abs_logratio`` is the
+   log-prob gap trainer vs server on the same weights (``logprob_gap_trainer_vs_server``;
+   step 1's, before any update: ``logprob_gap_initial``).
 6. ``resume``: a fresh trainer loads the step-2 checkpoint and runs step 3 on the same batch;
-   its metrics and parameters must equal the uninterrupted step 3's bit for bit.
+   its metrics and parameters must equal the uninterrupted step 3's bit for bit. Step 3 runs
+   with torch's deterministic algorithms in both runs (warn only; the ops without one are
+   listed in ``deterministic_step_warnings``), so that a GPU's atomic scatter-adds cannot make
+   two runs of it differ.
 
-Modes: ``device`` (CUDA, the widths above; chosen by ``auto`` when CUDA is present) and
-``cpu`` (the same parts at small widths, 8 experts, gloo; what tests/test_device_check.py runs
-in CI; no part skips in either). Exit status 0 when every part passed, 1 otherwise; the JSON
-line is printed either way, with the parts not reached as "not run".
+Modes: ``device`` (the widths above; what ``auto`` picks when CUDA is present) and ``cpu``
+(small widths, 8 experts; what tests/test_device_check.py runs in CI). No part skips in either.
+Exit status 0 when every part passed, else 1; the JSON line is printed either way (parts not
+reached: "not run"; ``failure``: the first error).
 
-Host syncs: on CUDA the warnings of ``torch.cuda.set_sync_debug_mode("warn")`` during each
-``rl_step``; on the CPU (no such thing) the host reads that would be syncs on a device
-(``item``, ``tolist``, ``float``/``int``/``bool`` of a tensor, ``cpu``, ``numpy``) counted by
-a ``TorchFunctionMode``: an upper bound (it also counts reads of host tensors).
+Figures: ``step_time_s`` is step 2's wall time (step 1 carries the first-call costs, step 3 the
+deterministic algorithms); ``host_syncs_per_step`` counts each ``rl_step``'s host
+synchronisations (tests/gpu/host_syncs.py: CUDA's sync debug warnings; on the CPU an upper
+bound, the host reads of tensors). Memory (CUDA only, null on the CPU):
+``static_memory_bytes`` allocated before step 1 against the plan's ``plan_static_bytes``
+(parameters, gradients, optimizer: ``launch.memory.estimate_memory``); ``step_memory_bytes``,
+the peak allocated during a step's passes (up to the optimizer step) above what was allocated
+when the step began, per padded token of the step's largest micro-batch and per layer:
+``peak_memory_per_token_per_layer_bytes``; ``plan_activation_bytes_per_token_per_layer`` is a
+placeholder (null) until launch/memory.py estimates activations.
 
-Memory (CUDA only; null on the CPU): ``static_memory_bytes`` allocated before the steps (the
-plan's ``plan_static_bytes``: parameters, gradients and optimizer, ``launch.memory``);
-``step_memory_bytes``, the peak allocated during a step's passes (up to the optimizer step)
-above the static bytes, divided by the padded tokens of the step's largest micro-batch and the
-layers: ``peak_memory_per_token_per_layer_bytes``. The plan's activation figure
-(``plan_activation_bytes_per_token_per_layer``) is null until launch/memory.py estimates
-activations.
-
-Device time, estimated (not yet measured: no device has been lent to the sessions that wrote
-it): install 30 s, imports 20 s, three builds and two 2.5 GB loads 40 s, server start 30 s,
-five generations on the host CPU 60 s, two pushes 15 s, three steps 15 s, the run checkpoint
-(17 GB: bf16 weights, fp32 main weights and Adam moments; written and hashed, then verified
-and read) 150 s, the resumed step 10 s: about 6.5 min, inside 8. On a lent GPU (the wheelhouse
-built first with ``bash tools/gpu_wheelhouse.sh``; it must stay under the 64 MiB a call
-carries)::
+Device time, estimated (no device was lent to the session that wrote it): install and imports
+50 s, two builds and two loads of the 2.5 GB checkpoint 40 s, server start 30 s, five
+generations on the host's CPU 60 s, two pushes of 2.5 GB over gloo 15 s, four steps 20 s, the
+run checkpoint (17.5 GB: bf16 weights, fp32 main weights, two fp32 Adam moments; written and
+hashed, then verified and read) 150 s: about 6.5 min, inside 8. To run it on a lent GPU: the
+device tool sends the session's own checkout, so from that checkout's root (this branch merged)
+first ``bash tools/gpu_wheelhouse.sh`` (46.9 MiB, under the 64 MiB a call carries), then::
 
     run(command="set -o pipefail; PYTHONUNBUFFERED=1 python3 tests/gpu/check_policy_trainer.py
         --json-out $OUT/device_check.json 2>&1 | tee $OUT/device_check.log",
@@ -600,7 +602,9 @@ def say(part: str, line: str) -> None:
     print(f"{part}: {line}", flush=True)
 
 
-def run(mode_name: str, wheelhouse: Path, site: Path, report: dict[str, Any]) -> None:
+def run(
+    mode_name: str, wheelhouse: Path, site: Path, tmp_dir: Path | None, report: dict[str, Any]
+) -> None:
     """Every part in order, filling ``report`` (the install's own entries, then the check's)."""
     start = time.perf_counter()
     report["parts"]["install"] = "failed"
@@ -618,7 +622,7 @@ def run(mode_name: str, wheelhouse: Path, site: Path, report: dict[str, Any]) ->
     report["versions"] = {
         n: installed_version(n) for n in ("torch", "megatron-core", "transformers")
     }
-    with tempfile.TemporaryDirectory(prefix="device_check_") as tmp:
+    with tempfile.TemporaryDirectory(prefix="device_check_", dir=tmp_dir) as tmp:
         check = Check(MODES[mode_name], Path(tmp), report)
         with check.part("build"):
             say("build", check.build())
@@ -642,6 +646,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--site", type=Path, default=Path(tempfile.gettempdir()) / "device_site")
     parser.add_argument("--json-out", type=Path, default=None, help="also write the JSON here")
+    parser.add_argument(
+        "--tmp-dir", type=Path, default=None, help="for the checkpoints (default: the system's)"
+    )
     args = parser.parse_args(argv)
     # Before CUDA starts: cuBLAS's deterministic workspace, which torch's deterministic
     # algorithms (the compared step) require.
@@ -654,7 +661,7 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = dict.fromkeys(KEYS)
     report.update(parts=dict.fromkeys(PARTS, "not run"), seconds={}, mode=args.mode)
     try:
-        run(args.mode, args.wheelhouse, args.site, report)
+        run(args.mode, args.wheelhouse, args.site, args.tmp_dir, report)
     except Exception as e:  # reported in the JSON line and the exit status
         traceback.print_exc()
         report["failure"] = f"{type(e).__name__}: {e}"[:2000]

@@ -54,11 +54,12 @@ def to_install(
 
 def install_command(requirements: list[str], wheelhouse: Path, site: Path) -> list[str]:
     """pip's offline install of exactly ``requirements`` into ``site`` (``--no-deps``: the
-    list is the closure; ``--ignore-requires-python``: megatron-core 0.19 declares Python
-    >= 3.12 and runs on 3.11)."""
+    list is the closure; ``--upgrade``: replaces what an earlier run left in ``site``;
+    ``--ignore-requires-python``: megatron-core 0.19 declares Python >= 3.12 and runs on
+    3.11)."""
     return [
         *(sys.executable, "-m", "pip", "install", "--quiet", "--no-index", "--no-deps"),
-        *("--no-compile", "--ignore-requires-python", "--find-links", str(wheelhouse)),
+        *("--no-compile", "--upgrade", "--ignore-requires-python", "--find-links", str(wheelhouse)),
         *("--target", str(site), *requirements),
     ]
 
