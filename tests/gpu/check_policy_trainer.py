@@ -242,6 +242,7 @@ class Check:
         self.ckpt = tmp / "hf"
         self.run_dir = tmp / "run"
         self.trainer = None
+        self.client = self.updater = self.pool = None  # start_rollouts
         self.batches: list[tuple[list, Any]] = []
         self.metrics: list[dict[str, float]] = []
 
@@ -394,6 +395,7 @@ class Check:
         only: ``measured["messages"]`` names the ops without one), so that scatter-adds and
         the like cannot make two runs of it differ on a GPU; the others as a run has them."""
         import torch
+        from host_syncs import HostSyncCounter
 
         samples, advantages = self.batches[step - 1]
         peaks = []
@@ -401,8 +403,6 @@ class Check:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             step_start = self._watch_optimizer(trainer, peaks)
-        from host_syncs import HostSyncCounter
-
         counter = HostSyncCounter(self.cuda)
         torch.use_deterministic_algorithms(step == SAVE_AFTER + 1, warn_only=True)
         start = time.perf_counter()
@@ -423,6 +423,7 @@ class Check:
             messages=counter.messages,
         )
         if self.cuda:
+            require(bool(peaks), "rl_step ran no trainer.optimizer.step: no passes' peak")
             measured.update(
                 static=step_start,
                 passes_peak=peaks[0] - step_start,
@@ -554,9 +555,9 @@ def run_steps(check: Check) -> None:
                     with check.part("push"):
                         say("push", check.push())
         finally:
-            for name in ("pool", "updater"):
-                if hasattr(check, name):
-                    getattr(check, name).close()
+            for user in (check.pool, check.updater):
+                if user is not None:
+                    user.close()
     summarize(check, measured)
 
 
@@ -598,8 +599,13 @@ def summarize(check: Check, measured: list[dict[str, Any]]) -> None:
         )
 
 
+_START = time.perf_counter()
+
+
 def say(part: str, line: str) -> None:
-    print(f"{part}: {line}", flush=True)
+    """One line of ``part``, with the seconds since the start (a run cut short by its time
+    limit still shows how far each part got)."""
+    print(f"{part}: {line} [{time.perf_counter() - _START:.1f} s]", flush=True)
 
 
 def run(
