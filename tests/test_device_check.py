@@ -79,6 +79,9 @@ def test_cpu_mode_runs_every_part(check, tmp_path):
 
     # three steps of two micro-batches, R3 exact, the KL zero while the policy is the reference
     assert report["num_micro_batches"] == [2, 2, 2]
+    rows, seq_len = report["max_micro_batch_shape"]
+    assert rows == 4 and report["max_micro_batch_tokens"] == rows * seq_len
+    assert max(report["tokens_per_step"]) <= 2 * report["max_micro_batch_tokens"]
     assert report["topk_match_r3"] == [1.0, 1.0, 1.0]
     assert report["kl_loss"][0] == 0.0 and min(report["kl_loss"][1:]) > 0
     assert all(math.isfinite(x) for x in report["loss"])

@@ -47,7 +47,7 @@ bound, the host reads of tensors). Memory (CUDA only, null on the CPU):
 ``static_memory_bytes`` allocated before step 1 against the plan's ``plan_static_bytes``
 (parameters, gradients, optimizer: ``launch.memory.estimate_memory``); ``step_memory_bytes``,
 the peak allocated during a step's passes (up to the optimizer step) above what was allocated
-when the step began, per padded token of the step's largest micro-batch and per layer:
+when the step began, per padded token of the largest micro-batch and per layer:
 ``peak_memory_per_token_per_layer_bytes``; ``plan_activation_bytes_per_token_per_layer`` is a
 placeholder (null) until launch/memory.py estimates activations.
 
@@ -107,6 +107,7 @@ KEYS = (
     "num_micro_batches",
     "tokens_per_step",
     "max_micro_batch_tokens",
+    "max_micro_batch_shape",
     "step_times_s",
     "step_time_s",
     "host_syncs_per_step",
@@ -192,10 +193,11 @@ MODES = {
 }
 
 
-def padded_tokens(trainer, samples) -> list[int]:
-    """Per micro-batch of ``samples``: rows x the longest sample's tokens (the padded size)."""
+def micro_batch_shapes(trainer, samples) -> list[tuple[int, int]]:
+    """Per micro-batch of ``samples``: (rows, the longest row's tokens); their product is the
+    micro-batch's padded tokens."""
     rows = trainer.micro_batch_rows(samples)
-    return [len(r) * max(samples[i].num_tokens for i in r) for r in rows]
+    return [(len(r), max(samples[i].num_tokens for i in r)) for r in rows]
 
 
 def same_metrics(a: dict[str, float], b: dict[str, float]) -> list[str]:
@@ -419,7 +421,7 @@ class Check:
         measured = dict(
             seconds=seconds,
             syncs=counter.count,
-            tokens=padded_tokens(trainer, samples),
+            shapes=micro_batch_shapes(trainer, samples),
             messages=counter.messages,
         )
         if self.cuda:
@@ -567,10 +569,13 @@ def summarize(check: Check, measured: list[dict[str, Any]]) -> None:
 
     r, metrics = check.report, check.metrics
     layers = r["model"]["num_layers"]
+    shape = max((sh for m in measured for sh in m["shapes"]), key=lambda sh: sh[0] * sh[1])
+    largest = shape[0] * shape[1]
     r.update(
-        num_micro_batches=[len(m["tokens"]) for m in measured],
-        tokens_per_step=[sum(m["tokens"]) for m in measured],
-        max_micro_batch_tokens=max(max(m["tokens"]) for m in measured),
+        num_micro_batches=[len(m["shapes"]) for m in measured],
+        tokens_per_step=[sum(rows * seq for rows, seq in m["shapes"]) for m in measured],
+        max_micro_batch_tokens=largest,
+        max_micro_batch_shape=list(shape),
         step_times_s=[round(m["seconds"], 4) for m in measured],
         # step 2: step 1 carries the first-call costs (allocator, kernel choices), step 3 runs
         # with deterministic algorithms (compared bitwise after the resume)
@@ -587,15 +592,12 @@ def summarize(check: Check, measured: list[dict[str, Any]]) -> None:
     )
     if check.cuda:
         step_memory = max(m["passes_peak"] for m in measured)
-        worst = max(range(len(measured)), key=lambda i: measured[i]["passes_peak"])
         r.update(
             static_memory_bytes=measured[0]["static"],
             step_memory_bytes=step_memory,
             optimizer_step_peak_bytes=max(m["peak"] - m["static"] for m in measured),
             peak_memory_bytes=max(m["peak"] for m in measured),
-            peak_memory_per_token_per_layer_bytes=round(
-                step_memory / (max(measured[worst]["tokens"]) * layers), 1
-            ),
+            peak_memory_per_token_per_layer_bytes=round(step_memory / (largest * layers), 1),
         )
 
 
