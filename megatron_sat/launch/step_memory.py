@@ -34,6 +34,7 @@ is ``launch.max_prompt_tokens + rollout.max_new_tokens``, padded to the TP multi
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,7 +74,15 @@ class MicroBatchShape:
 
 @dataclass(frozen=True)
 class StepMemory:
-    """Per-GPU memory of one RL step by component (bytes, insertion order = print order)."""
+    """Per-GPU memory of one RL step by component.
+
+    Attributes:
+        components: name -> bytes (insertion order = print order).
+        limit_bytes: ``launch.gpu_memory_gib`` in bytes.
+        shape: the micro-batch it was sized for.
+        kernels: ``"transformer_engine"`` (CUDA) or ``"local"`` (CPU).
+        recompute_granularity: ``train.recompute_granularity``.
+    """
 
     components: dict[str, int]
     limit_bytes: int
@@ -90,11 +99,6 @@ class StepMemory:
     def fits(self) -> bool:
         """Whether the total is within the device's memory."""
         return self.total <= self.limit_bytes
-
-    def format(self) -> str:
-        """One line: every component in GiB, the total against the device."""
-        parts = ", ".join(f"{k} {v / GIB:.1f}" for k, v in self.components.items())
-        return f"{parts} = {self.total / GIB:.1f} GiB of {self.limit_bytes / GIB:g} GiB"
 
 
 def longest_sample(cfg: Any, tp: int, sequence_parallel: bool) -> int:
@@ -235,7 +239,9 @@ def with_train(cfg: Any, **changes: Any) -> Any:
     return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **changes))
 
 
-def largest_fitting_budget(fits, longest: int, tokens: int, step: int = 1024) -> int | None:
+def largest_fitting_budget(
+    fits: Callable[[int], bool], longest: int, tokens: int, step: int = 1024
+) -> int | None:
     """The largest token budget in ``[longest, tokens)`` (multiples of ``step``, and
     ``longest`` itself) for which ``fits(budget)`` holds; None when even ``longest`` does not
     fit. ``fits`` must be monotone (fewer tokens never need more memory)."""
