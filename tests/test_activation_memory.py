@@ -175,3 +175,43 @@ def test_largest_fitting_budget_bisects_over_the_candidates():
     assert largest_fitting_budget(lambda b: b <= 1500, 1500, 9000) == 1500
     assert largest_fitting_budget(lambda b: False, 1500, 9000) is None
     assert largest_fitting_budget(lambda b: True, 1500, 9000) == 8192
+
+
+def _bench():
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "trainer_memory.py"
+    spec = importlib.util.spec_from_file_location("_bench_trainer_memory", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("granularity", ["none", "selective", "full"])
+def test_plan_equals_the_saved_tensor_bytes_of_megatron_core(megatron_world, granularity):
+    """The oracle is megatron-core itself: the storages autograd keeps in one R3 training
+    forward of shape A of the bench (it fails when an upgrade changes what a layer keeps)."""
+    import torch
+
+    from megatron_sat.checkpoint.tiny_models import TINY_CONFIGS
+    from megatron_sat.config import ParallelConfig, TrainConfig
+    from megatron_sat.training.builders import build_model, build_transformer_config
+    from megatron_sat.training.optimizer_layout import resolve_optimizer_layout
+
+    bench = _bench()
+    _, overrides, rows, seq = bench.ACTIVATION_SHAPES[0]
+    arch = "Qwen3MoeForCausalLM"
+    hf = dict(TINY_CONFIGS[arch], architectures=[arch], max_position_embeddings=seq, **overrides)
+    train = TrainConfig(params_dtype="bf16", recompute_granularity=granularity)
+    layout = resolve_optimizer_layout(train, device_type="cpu", dp=1, edp=1)
+    config = build_transformer_config(hf, train, ParallelConfig(), layout)
+    model = build_model(hf, config, seed=0, device=torch.device("cpu"), load_from=None)
+    model.train()
+    decoder, other = bench._measure_saved(model, rows, seq, seed=0)
+    dims = ModelDims.from_hf(hf)
+    assert dims == DIMS
+    kw = dict(tokens=rows * seq, seq_len=seq, kernels="local")
+    plan = decoder_activations(DIMS, ONE, layers=range(2), granularity=granularity, **kw)
+    # selective: megatron-core's checkpoint also keeps a 4-byte int32 per layer
+    assert decoder == plan.saved_bytes + (8 if granularity == "selective" else 0)
+    assert other == output_activations(DIMS, ONE, **kw).saved_bytes
