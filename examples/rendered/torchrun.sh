@@ -21,11 +21,26 @@
 # rollout servers (launcher):
 #   server 0: node 0, devices 4,5,6,7, port 30000, sglang --tp-size 4 --enable-return-routed-experts; weight-sync ranks 1-4
 # weight sync: one group of 5 ranks (trainer rank 0 = group rank 0, hosts the store; 4 server ranks), backend nccl
-# batch: 4096 samples per step; per DP rank 4096 = 1024 micro-batches
-# memory per trainer GPU (bf16 params, distributed optimizer, no offload: as built): 7,642,626,048 parameters -> params 14.2 GiB + grads 28.5 GiB + optimizer 85.4 GiB = 128.1 GiB of 140 GiB (headroom 11.9 GiB for activations)
-# memory per trainer GPU (alternative: train.optimizer_cpu_offload=true with the distributed optimizer): 7,642,626,048 parameters -> params 14.2 GiB + grads 28.5 GiB + optimizer 0.0 GiB = 42.7 GiB of 140 GiB (headroom 97.3 GiB for activations)
+# batch: 4096 samples per step; per DP rank 4096 = token-budget micro-batches (count set by the lengths)
+# memory per trainer GPU (bf16 params, distributed optimizer, optimizer offloaded to CPU: as built): 7,642,626,048 parameters -> params 14.2 GiB + grads 28.5 GiB + optimizer 0.0 GiB = 42.7 GiB of 139 GiB (headroom 96.3 GiB for activations)
+# memory per trainer GPU (alternative: train.optimizer_cpu_offload=false): 7,642,626,048 parameters -> params 14.2 GiB + grads 28.5 GiB + optimizer 85.4 GiB = 128.1 GiB of 139 GiB (headroom 10.9 GiB for activations)
+# memory per trainer GPU, one RL step (transformer_engine kernels; largest micro-batch 32,768 tokens, train.max_tokens_per_micro_batch=32768; train.recompute_granularity=none):
+#   parameters                      14.24 GiB
+#   gradients                       28.47 GiB
+#   optimizer states                 0.00 GiB
+#   activations                     45.08 GiB
+#   recompute working set            0.00 GiB
+#   logits and loss                  7.02 GiB
+#   micro-batch and R3 routes        0.08 GiB
+#   no-grad pass results             0.40 GiB
+#   reference policy                 0.00 GiB
+#   CUDA/NCCL/TE workspaces          3.00 GiB
+#   allocator fragmentation          5.22 GiB
+#   total                          103.51 GiB of 139 GiB: fits
 # memory per rollout device: bf16 weights 14.2 GiB (TP 4); the rest is the server's KV cache
-# note: objective.kl_coef > 0: the reference policy waits in host memory, 28.5 GiB per trainer rank while it is swapped in (its weights and the policy's), none on the device
+# note: memory plan: transformer_engine kernels; largest micro-batch 32,768 tokens (train.max_tokens_per_micro_batch=32768); micro-batches moved to the device one at a time; routes assumed balanced over the expert-parallel ranks
+# note: reference policy in host memory (28.5 GiB per trainer rank while it is swapped in for its pass: its weights and the policy's); on the device it would take 14.2 GiB, which fits
+# note: optimizer offload: 85.4 GiB of host memory per trainer rank (fp32 main weights and Adam moments)
 set -euo pipefail
 cd /path/to/megatron-sat
 PY=.venv/bin/python

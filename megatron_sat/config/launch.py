@@ -80,8 +80,15 @@ class LaunchConfig:
         rollout_base_port: the k-th server of a node listens on ``rollout_base_port + k``.
         hosts: node host names for torchrun and mpirun, in node order; empty = this machine's
             host name (one node only). slurm reads them from ``SLURM_JOB_NODELIST``.
-        gpu_memory_gib: memory of one device, GiB; the dry-run fails when the static memory of a
-            trainer rank or of a server's weights exceeds it. Ignored (and said so) on "cpu".
+        gpu_memory_gib: memory of one device, GiB; the dry-run fails when a trainer GPU's step
+            (parameters, gradients, optimizer states, activations, logits, the micro-batch,
+            workspaces: ``launch.step_memory``) or a server's weights exceed it. Ignored (and
+            said so) on "cpu".
+        max_prompt_tokens: the longest prompt the memory plan assumes, tokens (with
+            ``rollout.max_new_tokens`` it sizes the longest sample).
+        reserved_memory_gib: device memory outside PyTorch's tensors that the memory plan
+            sets aside per trainer GPU, GiB: the CUDA context, NCCL's buffers of every process
+            group, cuBLAS / transformer-engine workspaces.
         params_dtype: trainer parameter dtype for the memory estimate: "bf16" (GPU path: bf16
             parameters, fp32 main parameters and gradients) or "fp32" (the CPU trainer).
         model_config: HF ``config.json`` that the dry-run reads; None = the one in
@@ -112,6 +119,8 @@ class LaunchConfig:
     rollout_base_port: int = 30000
     hosts: list[str] = field(default_factory=list)
     gpu_memory_gib: float = 80.0
+    max_prompt_tokens: int = 512
+    reserved_memory_gib: float = 3.0
     params_dtype: str = "bf16"
     model_config: str | None = None
     python: str | None = None
@@ -153,6 +162,9 @@ class LaunchConfig:
             _is_int(port) and 1024 <= port <= 65535, "rollout_base_port", "a port in [1024, 65535]"
         )
         check(self.gpu_memory_gib > 0, "gpu_memory_gib", "> 0")
+        mp = self.max_prompt_tokens
+        check(_is_int(mp) and mp >= 1, "max_prompt_tokens", "an int >= 1")
+        check(self.reserved_memory_gib >= 0, "reserved_memory_gib", ">= 0")
         check(self.server_startup_timeout_s > 0, "server_startup_timeout_s", "> 0")
         cpus = self.cpus_per_node
         check(cpus is None or (_is_int(cpus) and cpus >= 1), "cpus_per_node", "None or >= 1")

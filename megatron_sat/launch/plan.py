@@ -30,6 +30,7 @@ from megatron_sat.launch.memory import (
     count_parameters,
     estimate_memory,
 )
+from megatron_sat.launch.step_memory import StepMemory, step_memory_errors
 from megatron_sat.rollout.engines import server_launch
 from megatron_sat.training.optimizer_layout import OptimizerLayout, resolve_optimizer_layout
 
@@ -114,6 +115,7 @@ class LaunchPlan:
     cp: int = 1
     optimizer_layout: OptimizerLayout | None = None
     memory_offload_toggled: MemoryEstimate | None = None
+    step_memory: StepMemory | None = None
 
     @property
     def trainer_nodes(self) -> list[int]:
@@ -204,32 +206,9 @@ def resolve_plan(cfg: Any, hf_config: dict[str, Any] | None = None) -> LaunchPla
     errors += _batch_errors(cfg, dp)
     layout = _optimizer_layout(cfg, dp * cp, edp, errors)
 
-    def memory_for(opt_layout: OptimizerLayout) -> MemoryEstimate:
-        return estimate_memory(
-            params,
-            tp=tp,
-            pp=pp,
-            ep=ep,
-            etp=etp,
-            layout=opt_layout,
-            dense_shards=dp * cp,
-            expert_shards=edp,
-            server_tp=launch.rollout_server_tp,
-        )
-
-    memory = memory_for(layout)
-    # The other side of train.optimizer_cpu_offload (offload needs the distributed optimizer,
-    # which then also runs at DP 1): printed by the dry-run, named when the layout cannot fit.
-    toggled = None
-    if layout.params_dtype == "bf16":
-        toggled = memory_for(
-            dataclasses.replace(
-                layout,
-                use_distributed_optimizer=True,
-                optimizer_cpu_offload=not layout.optimizer_cpu_offload,
-            )
-        )
-    errors += _memory_errors(cfg, memory, toggled, layout, bool(servers), notes)
+    sizes = dict(tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, dp=dp, sequence_parallel=sp)
+    memory, toggled, step = _memory(cfg, hf_config, params, layout, sizes, edp, errors, notes)
+    errors += _memory_errors(cfg, memory, bool(servers), notes)
     if errors:
         raise ValueError("invalid launch configuration:\n  " + "\n  ".join(errors))
     samples = cfg.rollout.prompts_per_step * cfg.rollout.group_size
@@ -263,7 +242,52 @@ def resolve_plan(cfg: Any, hf_config: dict[str, Any] | None = None) -> LaunchPla
         cp=cp,
         optimizer_layout=layout,
         memory_offload_toggled=toggled,
+        step_memory=step,
     )
+
+
+def _memory(
+    cfg: Any,
+    hf_config: dict[str, Any],
+    params: ParameterCount,
+    layout: OptimizerLayout,
+    sizes: dict[str, Any],
+    edp: int,
+    errors: list[str],
+    notes: list[str],
+) -> tuple[MemoryEstimate, MemoryEstimate | None, StepMemory | None]:
+    """The static memory as built and with ``train.optimizer_cpu_offload`` toggled (offload
+    needs the distributed optimizer, which then also runs at DP 1: printed by the dry-run,
+    named when the layout cannot fit), and the whole step's (``launch.step_memory``), whose
+    refusal is added to ``errors``."""
+    dense_shards = sizes["dp"] * sizes["cp"]
+
+    def memory_for(opt_layout: OptimizerLayout) -> MemoryEstimate:
+        return estimate_memory(
+            params,
+            tp=sizes["tp"],
+            pp=sizes["pp"],
+            ep=sizes["ep"],
+            etp=sizes["etp"],
+            layout=opt_layout,
+            dense_shards=dense_shards,
+            expert_shards=edp,
+            server_tp=cfg.launch.rollout_server_tp,
+        )
+
+    memory = memory_for(layout)
+    toggled = None
+    if layout.params_dtype == "bf16":
+        toggled = memory_for(
+            dataclasses.replace(
+                layout,
+                use_distributed_optimizer=True,
+                optimizer_cpu_offload=not layout.optimizer_cpu_offload,
+            )
+        )
+    step, step_errors = step_memory_errors(cfg, hf_config, memory, toggled, sizes, notes)
+    errors += step_errors
+    return memory, toggled, step
 
 
 def _groups_and_ranks(
@@ -350,45 +374,19 @@ def _optimizer_layout(cfg: Any, dense_shards: int, edp: int, errors: list[str]) 
 
 
 def _memory_errors(
-    cfg: Any,
-    memory: MemoryEstimate,
-    toggled: MemoryEstimate | None,
-    layout: OptimizerLayout,
-    has_servers: bool,
-    notes: list[str],
+    cfg: Any, memory: MemoryEstimate, has_servers: bool, notes: list[str]
 ) -> list[str]:
-    """The memory estimate against ``launch.gpu_memory_gib`` (on CUDA), naming the fields
-    that would make it fit; adds notes on the CPU and on the reference policy."""
+    """A rollout server's weights against ``launch.gpu_memory_gib`` (on CUDA); a note on the
+    CPU. The trainer's side is ``step_memory.step_memory_errors``."""
     launch = cfg.launch
     errors = []
-    limit = launch.gpu_memory_gib * GIB
-    if launch.device == "cuda":
-        if memory.trainer_bytes > limit:
-            errors.append(
-                f"launch.gpu_memory_gib={launch.gpu_memory_gib}: a trainer rank needs "
-                f"{memory.trainer_bytes / GIB:.1f} GiB for parameters, gradients and optimizer "
-                f"states alone ({memory.params_per_rank / 1e9:.2f}B parameters); raise TP/EP/PP"
-                + (
-                    ", or set train.optimizer_cpu_offload=true and "
-                    "train.use_distributed_optimizer=true "
-                    f"({toggled.trainer_bytes / GIB:.1f} GiB)"
-                    if toggled is not None and not layout.optimizer_cpu_offload
-                    else ""
-                )
-            )
-        if has_servers and memory.server_weight_bytes_per_gpu > limit:
-            errors.append(
-                f"launch.rollout_server_tp={launch.rollout_server_tp}: a server's bf16 weights "
-                f"need {memory.server_weight_bytes_per_gpu / GIB:.1f} GiB per GPU, more than "
-                f"launch.gpu_memory_gib={launch.gpu_memory_gib}"
-            )
-    else:
+    if launch.device != "cuda":
         notes.append("device cpu: memory estimate printed, not checked against a device size")
-    if cfg.objective.kl_coef > 0:
-        notes.append(
-            f"objective.kl_coef > 0: the reference policy waits in host memory, "
-            f"{2 * memory.param_bytes / GIB:.1f} GiB per trainer rank while it is swapped in "
-            "(its weights and the policy's), none on the device"
+    elif has_servers and memory.server_weight_bytes_per_gpu > launch.gpu_memory_gib * GIB:
+        errors.append(
+            f"launch.rollout_server_tp={launch.rollout_server_tp}: a server's bf16 weights "
+            f"need {memory.server_weight_bytes_per_gpu / GIB:.1f} GiB per GPU, more than "
+            f"launch.gpu_memory_gib={launch.gpu_memory_gib}"
         )
     return errors
 
@@ -479,6 +477,25 @@ def _rank_holds(plan: LaunchPlan, r: TrainerRank) -> str:
     return ", ".join(parts)
 
 
+def _step_memory_lines(plan: LaunchPlan) -> list[str]:
+    """The step's memory per trainer device, one line per component."""
+    step = plan.step_memory
+    if step is None:
+        return []
+    unit = "GPU" if plan.launch.device == "cuda" else "process"
+    lines = [
+        f"memory per trainer {unit}, one RL step ({step.kernels} kernels; largest micro-batch "
+        f"{step.shape.tokens:,} tokens, {step.shape.source}; train.recompute_granularity="
+        f"{step.recompute_granularity}):"
+    ]
+    lines += [f"  {name:<28} {value / GIB:8.2f} GiB" for name, value in step.components.items()]
+    verdict = "fits" if step.fits else "DOES NOT FIT"
+    lines.append(
+        f"  {'total':<28} {step.total / GIB:8.2f} GiB of {step.limit_bytes / GIB:g} GiB: {verdict}"
+    )
+    return lines
+
+
 def format_plan(plan: LaunchPlan, max_rows: int = 64) -> str:
     """The dry-run's human-readable topology and memory report (several lines)."""
     la, m, hf = plan.launch, plan.memory, plan.hf_config
@@ -563,6 +580,7 @@ def format_plan(plan: LaunchPlan, max_rows: int = 64) -> str:
             f"{est.optimizer_bytes / GIB:.1f} GiB = {est.trainer_bytes / GIB:.1f} GiB of "
             f"{la.gpu_memory_gib:g} GiB (headroom {headroom:.1f} GiB for activations)"
         )
+    lines += _step_memory_lines(plan)
     if plan.servers:
         lines.append(
             f"memory per rollout device: bf16 weights {m.server_weight_bytes_per_gpu / GIB:.1f}"
