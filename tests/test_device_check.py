@@ -101,16 +101,18 @@ def test_cpu_mode_runs_every_part(check, tmp_path):
     # the resume: step 3 bit for bit
     assert report["resume_bitwise"] is True and report["resume_differences"] == []
 
-    # memory: the plan's static figure; CUDA's allocator figures are null on the CPU, as is
-    # the plan's activation figure until launch/memory.py has one
+    # memory: the plan's static and activation figures; CUDA's allocator figures (and so the
+    # plan's error) are null on the CPU
     assert report["plan_static_bytes"] > 0
+    assert report["plan_activation_bytes_per_token_per_layer"] > 0
+    assert report["plan_activation_kernels"] == "local"
     for key in (
         "static_memory_bytes",
         "step_memory_bytes",
         "optimizer_step_peak_bytes",
         "peak_memory_bytes",
         "peak_memory_per_token_per_layer_bytes",
-        "plan_activation_bytes_per_token_per_layer",
+        "activation_plan_error",
     ):
         assert report[key] is None, key
     assert set(report["seconds"]) == set(check.PARTS)

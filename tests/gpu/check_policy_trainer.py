@@ -48,8 +48,10 @@ bound, the host reads of tensors). Memory (CUDA only, null on the CPU):
 (parameters, gradients, optimizer: ``launch.memory.estimate_memory``); ``step_memory_bytes``,
 the peak allocated during a step's passes (up to the optimizer step) above what was allocated
 when the step began, per padded token of the largest micro-batch and per layer:
-``peak_memory_per_token_per_layer_bytes``; ``plan_activation_bytes_per_token_per_layer`` is a
-placeholder (null) until launch/memory.py estimates activations.
+``peak_memory_per_token_per_layer_bytes``, against the plan's
+``plan_activation_bytes_per_token_per_layer`` (``launch.activation_memory`` for that
+micro-batch, the model's kernels: ``plan_activation_kernels``) as ``activation_plan_error``
+(|measured - plan| / plan; the plan's figure is printed on the CPU too).
 
 Device time, estimated (no device was lent to the session that wrote it): install and imports
 50 s, two builds and two loads of the 2.5 GB checkpoint 40 s, server start 30 s, five
@@ -119,6 +121,8 @@ KEYS = (
     "peak_memory_bytes",
     "peak_memory_per_token_per_layer_bytes",
     "plan_activation_bytes_per_token_per_layer",
+    "plan_activation_kernels",
+    "activation_plan_error",
     "loss",
     "kl_loss",
     "topk_match_r3",
@@ -305,6 +309,38 @@ class Check:
             device=torch.cuda.get_device_name() if self.cuda else "cpu",
         )
         return f"{num_params:,} parameters, {layers} layers x {experts} experts top-{top_k}"
+
+    def plan_activation_bytes(self, rows: int, seq_len: int) -> int:
+        """The plan's activation bytes of one micro-batch of ``rows`` rows of ``seq_len``
+        tokens (``launch.activation_memory``: the decoder's saved bytes plus one recomputed
+        chunk under the run's recompute settings, and the output layer's peak), for the kernels
+        the model was built with (transformer-engine's when any of its modules is TE's)."""
+        from megatron_sat.launch.activation_memory import (
+            ActivationLayout,
+            ModelDims,
+            decoder_activations,
+            output_activations,
+        )
+
+        te = any(
+            type(m).__module__.startswith("megatron.core.extensions.transformer_engine")
+            for m in self.trainer.model.modules()
+        )
+        self.report["plan_activation_kernels"] = "transformer_engine" if te else "local"
+        kw = dict(
+            tokens=rows * seq_len, seq_len=seq_len, kernels=self.report["plan_activation_kernels"]
+        )
+        dims, layout = ModelDims.from_hf(self.hf), ActivationLayout()
+        decoder = decoder_activations(
+            dims,
+            layout,
+            layers=range(self.report["model"]["num_layers"]),
+            granularity=self.train.recompute_granularity,
+            recompute_num_layers=self.train.recompute_num_layers,
+            **kw,
+        )
+        output = output_activations(dims, layout, **kw)
+        return decoder.saved_bytes + decoder.recompute_bytes + output.peak_bytes
 
     def plan_static_bytes(self) -> int:
         """Parameters + gradients + optimizer bytes of the trainer by ``launch.memory``."""
@@ -571,6 +607,7 @@ def summarize(check: Check, measured: list[dict[str, Any]]) -> None:
     layers = r["model"]["num_layers"]
     shape = max((sh for m in measured for sh in m["shapes"]), key=lambda sh: sh[0] * sh[1])
     largest = shape[0] * shape[1]
+    plan = check.plan_activation_bytes(*shape)
     r.update(
         num_micro_batches=[len(m["shapes"]) for m in measured],
         tokens_per_step=[sum(rows * seq for rows, seq in m["shapes"]) for m in measured],
@@ -584,6 +621,7 @@ def summarize(check: Check, measured: list[dict[str, Any]]) -> None:
         host_syncs_per_step=[m["syncs"] for m in measured],
         host_sync_counter=counter_method(check.cuda),
         plan_static_bytes=check.plan_static_bytes(),
+        plan_activation_bytes_per_token_per_layer=round(plan / (largest * layers), 1),
         loss=[x["loss"] for x in metrics],
         kl_loss=[x["kl_loss"] for x in metrics],
         topk_match_r3=[x["topk_match_r3"] for x in metrics],
@@ -598,6 +636,8 @@ def summarize(check: Check, measured: list[dict[str, Any]]) -> None:
             optimizer_step_peak_bytes=max(m["peak"] - m["static"] for m in measured),
             peak_memory_bytes=max(m["peak"] for m in measured),
             peak_memory_per_token_per_layer_bytes=round(step_memory / (largest * layers), 1),
+            # (the measured peak also holds the micro-batch's tensors and allocator rounding)
+            activation_plan_error=round(abs(step_memory - plan) / plan, 4),
         )
 
 
