@@ -25,6 +25,7 @@
 # memory per trainer GPU (bf16 params, distributed optimizer, no offload: as built): 7,642,626,048 parameters -> params 14.2 GiB + grads 28.5 GiB + optimizer 85.4 GiB = 128.1 GiB of 140 GiB (headroom 11.9 GiB for activations)
 # memory per trainer GPU (alternative: train.optimizer_cpu_offload=true with the distributed optimizer): 7,642,626,048 parameters -> params 14.2 GiB + grads 28.5 GiB + optimizer 0.0 GiB = 42.7 GiB of 140 GiB (headroom 97.3 GiB for activations)
 # memory per rollout device: bf16 weights 14.2 GiB (TP 4); the rest is the server's KV cache
+# rollout pool host memory (rank0_host): up to 1 batch(es) x 4096 samples x 8,192 tokens (rollout.max_new_tokens, prompts not counted) x (384 B compact routes + 80 B ids, log-probs, versions) per token = 14.5 GiB (routes 12.0 GiB)
 # note: objective.kl_coef > 0: the reference policy waits in host memory, 28.5 GiB per trainer rank while it is swapped in (its weights and the policy's), none on the device
 set -euo pipefail
 cd /path/to/megatron-sat
