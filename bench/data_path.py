@@ -268,7 +268,7 @@ def dist_worker(args) -> None:
     routing_shape = (args.layers, TOP_K, NUM_EXPERTS)
     bodies = response_bodies(prompts, responses, args.layers, args.seed) if rank == 0 else None
     slices = dp_shares(num, args.group_size, world)
-    runs, alone, pickled = [], [], []
+    runs, alone, pickled, dp1, dp1_serial = [], [], [], [], []
     for _ in range(args.repeats):
         dist.barrier()
         t0 = time.perf_counter()
@@ -297,12 +297,25 @@ def dist_worker(args) -> None:
         box: list = [None]
         dist.scatter_object_list(box, objects, src=0)
         pickled.append(time.perf_counter() - t5)
+        # Data-parallel size 1 (every rank a TP / EP rank of one DP rank): the whole batch to
+        # every rank, as one broadcast, next to the serial sends it replaced.
+        whole = [slice(0, num)]
+        dist.barrier()
+        t6 = time.perf_counter()
+        distribute_batch(samples, advantages, 0, whole, dp_rank=0)
+        dp1.append(time.perf_counter() - t6)
+        dist.barrier()
+        t7 = time.perf_counter()
+        _serial_sends(samples, advantages, world)
+        dp1_serial.append(time.perf_counter() - t7)
         del samples, share, box, objects
     mine = {
         "rank": rank,
         **{k: statistics.median(r[k] for r in runs) for k in runs[0]},
         "distribute_alone": statistics.median(alone),
         "pickled_scatter": statistics.median(pickled),
+        "dp1_broadcast": statistics.median(dp1),
+        "dp1_serial_sends": statistics.median(dp1_serial),
         "padded_tokens": tokens,
     }
     everyone: list = [None] * world
@@ -312,11 +325,33 @@ def dist_worker(args) -> None:
     dist.destroy_process_group()
 
 
+def _serial_sends(samples, advantages, world: int) -> None:
+    """The DP-1 distribution before this bench's broadcast (training.batch_transfer at
+    bc4e8e6): rank 0 encodes the whole batch for every other rank and sends it to one rank after
+    the other (length, then buffer); the others receive and decode."""
+    import torch.distributed as dist
+
+    from megatron_sat.training.batch_transfer import decode_share, encode_share
+
+    if dist.get_rank() != 0:
+        size = torch.zeros(1, dtype=torch.int64)
+        dist.recv(size, src=0)
+        buffer = torch.empty(int(size), dtype=torch.uint8)
+        dist.recv(buffer, src=0)
+        decode_share(buffer)
+        return
+    for dst in range(1, world):
+        buffer = encode_share(samples, advantages, 0)
+        dist.send(torch.tensor([buffer.numel()], dtype=torch.int64), dst=dst)
+        dist.send(buffer, dst=dst)
+
+
 def run_torchrun_phase(args) -> list[dict]:
     """Launch ``dist_worker`` on 2 local processes; returns each rank's timings."""
     root = Path(__file__).resolve().parents[1]
     torchrun = Path(sys.executable).with_name("torchrun")
-    argv = [str(torchrun), "--standalone", "--nproc_per_node=2", __file__, "--dist-worker"]
+    argv = [str(torchrun), "--standalone", f"--nproc_per_node={args.nproc}", __file__]
+    argv += ["--dist-worker"]
     for name in ("prompts", "group_size", "scale", "layers", "repeats", "seed"):
         argv += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(root))
@@ -395,6 +430,73 @@ def decode_times(bodies, prompts: np.ndarray, layers: int, repeats: int) -> dict
     return {k: statistics.median(v) for k, v in out.items()}
 
 
+def trainer_step_stand_in(seed: int):
+    """A CPU stand-in for one trainer step (returns a callable): forward, backward and an Adam
+    step of a 4-layer MLP (hidden 512, batch 256), so the step has the trainer's mix of torch
+    kernels (which release the GIL) and Python between them (which holds it)."""
+    torch.manual_seed(seed)
+    layers = []
+    for _ in range(4):
+        layers += [torch.nn.Linear(512, 512), torch.nn.GELU()]
+    model = torch.nn.Sequential(*layers)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    x = torch.randn(256, 512)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        model(x).square().mean().backward()
+        opt.step()
+
+    return step
+
+
+def overlap_times(bodies, prompts: np.ndarray, layers: int, steps: int, repeats: int) -> dict:
+    """Trainer step time alone and with the pool's parse running beside it at full rate.
+
+    The parse runs as the pool runs it: in a thread of the trainer's process
+    (``rollout.async_pool`` workers call the client, which parses each reply as it arrives),
+    looping over the bodies without pause (``parsed_tokens``: how much it got through while the
+    trainer stepped). Alone and beside alternate ``repeats`` times (median of each), so load
+    from elsewhere on the machine falls on both. ``overlap_step_time_ratio`` = beside / alone.
+    """
+    import threading
+
+    step = trainer_step_stand_in(0)
+    for _ in range(3):
+        step()
+    tokens_per_pass = int(sum(prompts)) + sum(len(orjson.loads(b)["output_ids"]) for b in bodies)
+
+    def timed(n: int) -> float:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            step()
+        return (time.perf_counter() - t0) / n
+
+    alone, beside, parsed = [], [], []
+    for _ in range(repeats):
+        alone.append(timed(steps))
+        stop = threading.Event()
+        passes = [0]
+
+        def parse_loop(stop: threading.Event = stop, passes: list[int] = passes) -> None:
+            while not stop.is_set():
+                to_samples(bodies, prompts, layers)
+                passes[0] += 1
+
+        worker = threading.Thread(target=parse_loop, daemon=True)
+        worker.start()
+        time.sleep(0.05)  # the parse is running when the steps start
+        beside.append(timed(steps))
+        stop.set()
+        worker.join()
+        parsed.append(passes[0] * tokens_per_pass)
+    return {
+        "alone_s": statistics.median(alone),
+        "beside_s": statistics.median(beside),
+        "parsed_tokens": int(statistics.median(parsed)),
+    }
+
+
 def profile_build(build, samples, top: int) -> None:
     """cProfile one grouping + build of ``samples``; print the ``top`` costliest to stderr."""
     import cProfile
@@ -428,6 +530,15 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-torchrun", action="store_true", help="skip the torchrun phase")
+    parser.add_argument(
+        "--nproc", type=int, default=2, help="processes of the torchrun phase (one DP rank each)"
+    )
+    parser.add_argument(
+        "--overlap-steps",
+        type=int,
+        default=20,
+        help="trainer steps per timing of the overlap phase (0 skips it)",
+    )
     parser.add_argument(
         "--profile-build",
         type=int,
@@ -511,6 +622,9 @@ def main() -> None:
     memory = peak_host_bytes(
         lambda: to_samples(bodies, prompts, args.layers), lambda samples: build(samples)[1]
     )
+    overlap = None
+    if args.overlap_steps:
+        overlap = overlap_times(bodies, prompts, args.layers, args.overlap_steps, args.repeats)
     if args.profile_build:
         profile_build(build, to_samples(bodies, prompts, args.layers), args.profile_build)
     real = sum(lengths)
@@ -553,6 +667,14 @@ def main() -> None:
         "dp": args.dp,
         "repeats": args.repeats,
     }
+    if overlap is not None:
+        result["overlap_step_time_ratio"] = round(overlap["beside_s"] / overlap["alone_s"], 3)
+        result["goal_overlap_step_time_ratio"] = 1.1
+        result["overlap_step_s_alone"] = round(overlap["alone_s"], 5)
+        result["overlap_step_s_beside_parse"] = round(overlap["beside_s"], 5)
+        result["overlap_parse_tokens_per_s"] = round(
+            overlap["parsed_tokens"] / (overlap["beside_s"] * args.overlap_steps)
+        )
     if not args.no_torchrun:
         ranks = run_torchrun_phase(args)
         result["torchrun_s_per_million_tokens"] = round(
@@ -564,6 +686,13 @@ def main() -> None:
         result["torchrun_pickled_scatter_s_per_million_tokens"] = round(
             max(r["pickled_scatter"] for r in ranks) / real * 1e6, 3
         )
+        result["torchrun_distribute_dp1_s_per_million_tokens"] = round(
+            max(r["dp1_broadcast"] for r in ranks) / real * 1e6, 3
+        )
+        result["torchrun_distribute_dp1_serial_sends_s_per_million_tokens"] = round(
+            max(r["dp1_serial_sends"] for r in ranks) / real * 1e6, 3
+        )
+        result["torchrun_nproc"] = args.nproc
         result["torchrun_ranks"] = [
             {k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()} for r in ranks
         ]
