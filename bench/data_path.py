@@ -46,7 +46,15 @@ there to its last micro-batch, per million tokens of the whole batch (median of
 includes waiting for rank 0's parse). The distribution alone, from a barrier after the parse
 (``torchrun_distribute_s_per_million_tokens``), is next to the path it replaced
 (``torchrun_pickled_scatter_s_per_million_tokens``: ``dist.scatter_object_list`` of pickled
-shares on the same gloo world; on NCCL that path also staged the pickles on GPU 0).
+shares on the same gloo world; on NCCL that path also staged the pickles on GPU 0). At
+data-parallel size 1 (every rank a TP / EP rank: the whole batch to each), the one broadcast
+(``torchrun_distribute_dp1_s_per_million_tokens``) is next to the serial sends it replaced
+(``..._dp1_serial_sends_...``); ``--nproc 4`` is the recipe's TP 4 x EP 4 layout.
+
+Overlap (``--overlap-steps``, default 20; 0 skips it): a trainer step stand-in (forward,
+backward and Adam of a small MLP, one thread) timed alone and with the pool's parse running
+beside it in a thread of the same process at full rate, as the pool's workers parse replies as
+they arrive (:func:`overlap_times`); ``overlap_step_time_ratio`` = beside / alone (goal <= 1.1).
 
 Usage: ``python bench/data_path.py [--prompts 32 --group-size 16 --scale 16 --repeats 3]``.
 The last line is JSON.
