@@ -324,7 +324,9 @@ def _copy_routes(
     array in the compact dtype, each sample's rows copied in once at its start, filler rows
     written at the other positions, then one vectorised check of the whole micro-batch
     (:func:`megatron_sat.routing.checks.find_route_fault`; filler rows always pass) whose
-    fault is named by sample, row and layer as :func:`check_sample_routes` names it."""
+    fault is named by sample, row and layer as :func:`check_sample_routes` names it. Once it
+    passes, each sample's ``routed_experts`` (in the compact dtype) is replaced by the view of
+    its rows in the micro-batch: equal values, one copy held instead of two."""
     num_layers, top_k, num_experts = routing_shape
     layer_selection(num_layers, moe_layers)
     dtype = compact_expert_dtype(num_experts)
@@ -347,6 +349,12 @@ def _copy_routes(
             raise RuntimeError(f"filler route at flat position {fault.row} is invalid: {fault}")
         token = int(sample_pos.view(-1)[fault.row])
         _raise_route_fault(samples[row], RouteFault(fault.kind, token, fault.layer), num_experts)
+    # The micro-batch takes the routes over: each sample now views its rows in it (the same
+    # values, shape and dtype), so rank 0 does not hold every route twice once the batch is
+    # built (bench/data_path.py, rank0_built_host_bytes_per_token).
+    for s, start in zip(samples, starts, strict=True):
+        if s.routed_experts.dtype == dtype:
+            s.routed_experts = routes[start : start + len(s.routed_experts)]
     return torch.from_numpy(routes).view(rows, seq, num_layers, top_k)
 
 
