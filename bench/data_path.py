@@ -55,6 +55,8 @@ Overlap (``--overlap-steps``, default 20; 0 skips it): a trainer step stand-in (
 backward and Adam of a small MLP, one thread) timed alone and with the pool's parse running
 beside it in a thread of the same process at full rate, as the pool's workers parse replies as
 they arrive (:func:`overlap_times`); ``overlap_step_time_ratio`` = beside / alone (goal <= 1.1).
+Next to it, ``overlap_step_time_ratio_parse_in_process``: the same parse in a forked process
+(the cores shared, not the GIL), to tell the GIL's share of the slowdown from the cores'.
 
 Usage: ``python bench/data_path.py [--prompts 32 --group-size 16 --scale 16 --repeats 3]``.
 The last line is JSON.
@@ -479,6 +481,12 @@ def trainer_step_stand_in(seed: int):
     return step
 
 
+def _parse_until(halt, bodies, prompts: np.ndarray, layers: int) -> None:
+    """The overlap phase's parse in a child process (``fork``): loop until ``halt`` is set."""
+    while not halt.is_set():
+        to_samples(bodies, prompts, layers)
+
+
 def overlap_times(bodies, prompts: np.ndarray, layers: int, steps: int, repeats: int) -> dict:
     """Trainer step time alone and with the pool's parse running beside it at full rate.
 
@@ -501,7 +509,7 @@ def overlap_times(bodies, prompts: np.ndarray, layers: int, steps: int, repeats:
             step()
         return (time.perf_counter() - t0) / n
 
-    alone, beside, parsed = [], [], []
+    alone, beside, parsed, beside_process = [], [], [], []
     for _ in range(repeats):
         alone.append(timed(steps))
         stop = threading.Event()
@@ -519,9 +527,22 @@ def overlap_times(bodies, prompts: np.ndarray, layers: int, steps: int, repeats:
         stop.set()
         worker.join()
         parsed.append(passes[0] * tokens_per_pass)
+        # The same parse in a forked process: no GIL shared, only the cores.
+        import multiprocessing
+
+        halt = multiprocessing.get_context("fork").Event()
+        proc = multiprocessing.get_context("fork").Process(
+            target=_parse_until, args=(halt, bodies, prompts, layers), daemon=True
+        )
+        proc.start()
+        time.sleep(0.05)
+        beside_process.append(timed(steps))
+        halt.set()
+        proc.join()
     return {
         "alone_s": statistics.median(alone),
         "beside_s": statistics.median(beside),
+        "beside_process_s": statistics.median(beside_process),
         "parsed_tokens": int(statistics.median(parsed)),
     }
 
@@ -701,6 +722,9 @@ def main() -> None:
     if overlap is not None:
         result["overlap_step_time_ratio"] = round(overlap["beside_s"] / overlap["alone_s"], 3)
         result["goal_overlap_step_time_ratio"] = 1.1
+        result["overlap_step_time_ratio_parse_in_process"] = round(
+            overlap["beside_process_s"] / overlap["alone_s"], 3
+        )
         result["overlap_step_s_alone"] = round(overlap["alone_s"], 5)
         result["overlap_step_s_beside_parse"] = round(overlap["beside_s"], 5)
         result["overlap_parse_tokens_per_s"] = round(
