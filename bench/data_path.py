@@ -46,7 +46,17 @@ there to its last micro-batch, per million tokens of the whole batch (median of
 includes waiting for rank 0's parse). The distribution alone, from a barrier after the parse
 (``torchrun_distribute_s_per_million_tokens``), is next to the path it replaced
 (``torchrun_pickled_scatter_s_per_million_tokens``: ``dist.scatter_object_list`` of pickled
-shares on the same gloo world; on NCCL that path also staged the pickles on GPU 0).
+shares on the same gloo world; on NCCL that path also staged the pickles on GPU 0). At
+data-parallel size 1 (every rank a TP / EP rank: the whole batch to each), the one broadcast
+(``torchrun_distribute_dp1_s_per_million_tokens``) is next to the serial sends it replaced
+(``..._dp1_serial_sends_...``); ``--nproc 4`` is the recipe's TP 4 x EP 4 layout.
+
+Overlap (``--overlap-steps``, default 20; 0 skips it): a trainer step stand-in (forward,
+backward and Adam of a small MLP, one thread) timed alone and with the pool's parse running
+beside it in a thread of the same process at full rate, as the pool's workers parse replies as
+they arrive (:func:`overlap_times`); ``overlap_step_time_ratio`` = beside / alone (goal <= 1.1).
+Next to it, ``overlap_step_time_ratio_parse_in_process``: the same parse in a forked process
+(the cores shared, not the GIL), to tell the GIL's share of the slowdown from the cores'.
 
 Usage: ``python bench/data_path.py [--prompts 32 --group-size 16 --scale 16 --repeats 3]``.
 The last line is JSON.
@@ -268,7 +278,7 @@ def dist_worker(args) -> None:
     routing_shape = (args.layers, TOP_K, NUM_EXPERTS)
     bodies = response_bodies(prompts, responses, args.layers, args.seed) if rank == 0 else None
     slices = dp_shares(num, args.group_size, world)
-    runs, alone, pickled = [], [], []
+    runs, alone, pickled, dp1, dp1_serial = [], [], [], [], []
     for _ in range(args.repeats):
         dist.barrier()
         t0 = time.perf_counter()
@@ -297,12 +307,25 @@ def dist_worker(args) -> None:
         box: list = [None]
         dist.scatter_object_list(box, objects, src=0)
         pickled.append(time.perf_counter() - t5)
+        # Data-parallel size 1 (every rank a TP / EP rank of one DP rank): the whole batch to
+        # every rank, as one broadcast, next to the serial sends it replaced.
+        whole = [slice(0, num)]
+        dist.barrier()
+        t6 = time.perf_counter()
+        distribute_batch(samples, advantages, 0, whole, dp_rank=0)
+        dp1.append(time.perf_counter() - t6)
+        dist.barrier()
+        t7 = time.perf_counter()
+        _serial_sends(samples, advantages, world)
+        dp1_serial.append(time.perf_counter() - t7)
         del samples, share, box, objects
     mine = {
         "rank": rank,
         **{k: statistics.median(r[k] for r in runs) for k in runs[0]},
         "distribute_alone": statistics.median(alone),
         "pickled_scatter": statistics.median(pickled),
+        "dp1_broadcast": statistics.median(dp1),
+        "dp1_serial_sends": statistics.median(dp1_serial),
         "padded_tokens": tokens,
     }
     everyone: list = [None] * world
@@ -312,11 +335,33 @@ def dist_worker(args) -> None:
     dist.destroy_process_group()
 
 
+def _serial_sends(samples, advantages, world: int) -> None:
+    """The DP-1 distribution before this bench's broadcast (training.batch_transfer at
+    bc4e8e6): rank 0 encodes the whole batch for every other rank and sends it to one rank after
+    the other (length, then buffer); the others receive and decode."""
+    import torch.distributed as dist
+
+    from megatron_sat.training.batch_transfer import decode_share, encode_share
+
+    if dist.get_rank() != 0:
+        size = torch.zeros(1, dtype=torch.int64)
+        dist.recv(size, src=0)
+        buffer = torch.empty(int(size), dtype=torch.uint8)
+        dist.recv(buffer, src=0)
+        decode_share(buffer)
+        return
+    for dst in range(1, world):
+        buffer = encode_share(samples, advantages, 0)
+        dist.send(torch.tensor([buffer.numel()], dtype=torch.int64), dst=dst)
+        dist.send(buffer, dst=dst)
+
+
 def run_torchrun_phase(args) -> list[dict]:
     """Launch ``dist_worker`` on 2 local processes; returns each rank's timings."""
     root = Path(__file__).resolve().parents[1]
     torchrun = Path(sys.executable).with_name("torchrun")
-    argv = [str(torchrun), "--standalone", "--nproc_per_node=2", __file__, "--dist-worker"]
+    argv = [str(torchrun), "--standalone", f"--nproc_per_node={args.nproc}", __file__]
+    argv += ["--dist-worker"]
     for name in ("prompts", "group_size", "scale", "layers", "repeats", "seed"):
         argv += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(root))
@@ -338,13 +383,30 @@ def _tensor_bytes(mbs) -> int:
     )
 
 
+def _untracked_tensor_bytes(mbs, samples) -> int:
+    """Bytes of the micro-batches' tensors that torch allocated (tracemalloc cannot see them);
+    routes copied into a numpy array (``training.batching``'s contiguous path, which the
+    samples then view) are numpy's, which tracemalloc counts."""
+    by_index = {s.index: s for s in samples}
+    total = 0
+    for mb in mbs:
+        for name, v in vars(mb).items():
+            if not isinstance(v, torch.Tensor):
+                continue
+            held = by_index[mb.sample_indices[0]].routed_experts
+            if name == "routes" and np.may_share_memory(v.numpy(), held):
+                continue
+            total += v.numel() * v.element_size()
+    return total
+
+
 def peak_host_bytes(parse, build) -> dict[str, int]:
     """Host memory that parsing and building add to rank 0, in bytes, over what it held before
-    (the response bodies): ``peak``, the largest of tracemalloc's peak (Python objects and numpy
-    buffers: bodies' parsed rest, payload decodes, samples) over the parse, and of the samples
-    plus the micro-batches' tensors at the end of the build (the batch built, the samples still
-    held, as the trainer holds them); ``samples``, the samples alone after the parse;
-    ``micro_batches``, the tensors of the micro-batches.
+    (the response bodies), with tracemalloc (Python objects and numpy buffers) plus the bytes of
+    the tensors torch allocated (invisible to it): ``peak``, the largest of the parse's peak and
+    the build's peak plus those tensors; ``built``, what stays resident once the batch is built
+    (samples and micro-batches, as the trainer holds them during the step); ``samples``, the
+    samples alone after the parse; ``micro_batches``, every tensor of the micro-batches.
     """
     import gc
     import tracemalloc
@@ -354,12 +416,16 @@ def peak_host_bytes(parse, build) -> dict[str, int]:
     base = tracemalloc.get_traced_memory()[0]
     samples = parse()
     held_samples, parse_peak = (v - base for v in tracemalloc.get_traced_memory())
-    tracemalloc.stop()
+    tracemalloc.reset_peak()
     mbs = build(samples)
+    built, build_peak = (v - base for v in tracemalloc.get_traced_memory())
+    tracemalloc.stop()
+    torch_bytes = _untracked_tensor_bytes(mbs, samples)
     tensors = _tensor_bytes(mbs)
     del mbs, samples
     return {
-        "peak": max(parse_peak, held_samples + tensors),
+        "peak": max(parse_peak, build_peak + torch_bytes),
+        "built": built + torch_bytes,
         "samples": held_samples,
         "micro_batches": tensors,
     }
@@ -395,6 +461,92 @@ def decode_times(bodies, prompts: np.ndarray, layers: int, repeats: int) -> dict
     return {k: statistics.median(v) for k, v in out.items()}
 
 
+def trainer_step_stand_in(seed: int):
+    """A CPU stand-in for one trainer step (returns a callable): forward, backward and an Adam
+    step of a 4-layer MLP (hidden 512, batch 256), so the step has the trainer's mix of torch
+    kernels (which release the GIL) and Python between them (which holds it)."""
+    torch.manual_seed(seed)
+    layers = []
+    for _ in range(4):
+        layers += [torch.nn.Linear(512, 512), torch.nn.GELU()]
+    model = torch.nn.Sequential(*layers)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    x = torch.randn(256, 512)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        model(x).square().mean().backward()
+        opt.step()
+
+    return step
+
+
+def _parse_until(halt, bodies, prompts: np.ndarray, layers: int) -> None:
+    """The overlap phase's parse in a child process (``fork``): loop until ``halt`` is set."""
+    while not halt.is_set():
+        to_samples(bodies, prompts, layers)
+
+
+def overlap_times(bodies, prompts: np.ndarray, layers: int, steps: int, repeats: int) -> dict:
+    """Trainer step time alone and with the pool's parse running beside it at full rate.
+
+    The parse runs as the pool runs it: in a thread of the trainer's process
+    (``rollout.async_pool`` workers call the client, which parses each reply as it arrives),
+    looping over the bodies without pause (``parsed_tokens``: how much it got through while the
+    trainer stepped). Alone and beside alternate ``repeats`` times (median of each), so load
+    from elsewhere on the machine falls on both. ``overlap_step_time_ratio`` = beside / alone.
+    """
+    import threading
+
+    step = trainer_step_stand_in(0)
+    for _ in range(3):
+        step()
+    tokens_per_pass = int(sum(prompts)) + sum(len(orjson.loads(b)["output_ids"]) for b in bodies)
+
+    def timed(n: int) -> float:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            step()
+        return (time.perf_counter() - t0) / n
+
+    alone, beside, parsed, beside_process = [], [], [], []
+    for _ in range(repeats):
+        alone.append(timed(steps))
+        stop = threading.Event()
+        passes = [0]
+
+        def parse_loop(stop: threading.Event = stop, passes: list[int] = passes) -> None:
+            while not stop.is_set():
+                to_samples(bodies, prompts, layers)
+                passes[0] += 1
+
+        worker = threading.Thread(target=parse_loop, daemon=True)
+        worker.start()
+        time.sleep(0.05)  # the parse is running when the steps start
+        beside.append(timed(steps))
+        stop.set()
+        worker.join()
+        parsed.append(passes[0] * tokens_per_pass)
+        # The same parse in a forked process: no GIL shared, only the cores.
+        import multiprocessing
+
+        halt = multiprocessing.get_context("fork").Event()
+        proc = multiprocessing.get_context("fork").Process(
+            target=_parse_until, args=(halt, bodies, prompts, layers), daemon=True
+        )
+        proc.start()
+        time.sleep(0.05)
+        beside_process.append(timed(steps))
+        halt.set()
+        proc.join()
+    return {
+        "alone_s": statistics.median(alone),
+        "beside_s": statistics.median(beside),
+        "beside_process_s": statistics.median(beside_process),
+        "parsed_tokens": int(statistics.median(parsed)),
+    }
+
+
 def profile_build(build, samples, top: int) -> None:
     """cProfile one grouping + build of ``samples``; print the ``top`` costliest to stderr."""
     import cProfile
@@ -428,6 +580,15 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-torchrun", action="store_true", help="skip the torchrun phase")
+    parser.add_argument(
+        "--nproc", type=int, default=2, help="processes of the torchrun phase (one DP rank each)"
+    )
+    parser.add_argument(
+        "--overlap-steps",
+        type=int,
+        default=20,
+        help="trainer steps per timing of the overlap phase (0 skips it)",
+    )
     parser.add_argument(
         "--profile-build",
         type=int,
@@ -511,6 +672,9 @@ def main() -> None:
     memory = peak_host_bytes(
         lambda: to_samples(bodies, prompts, args.layers), lambda samples: build(samples)[1]
     )
+    overlap = None
+    if args.overlap_steps:
+        overlap = overlap_times(bodies, prompts, args.layers, args.overlap_steps, args.repeats)
     if args.profile_build:
         profile_build(build, to_samples(bodies, prompts, args.layers), args.profile_build)
     real = sum(lengths)
@@ -533,6 +697,8 @@ def main() -> None:
         "group_s_per_million_tokens": round(per_million["group"], 4),
         "build_s_per_million_tokens": round(per_million["build"], 3),
         "rank0_peak_host_bytes_per_token": round(memory["peak"] / real, 1),
+        "rank0_built_host_bytes_per_token": round(memory["built"] / real, 1),
+        "goal_rank0_built_host_bytes_per_token": round(1.5 * compact, 1),
         "rank0_samples_host_bytes_per_token": round(memory["samples"] / real, 1),
         "rank0_micro_batch_host_bytes_per_token": round(memory["micro_batches"] / real, 1),
         "compact_route_bytes_per_token": compact,
@@ -553,6 +719,17 @@ def main() -> None:
         "dp": args.dp,
         "repeats": args.repeats,
     }
+    if overlap is not None:
+        result["overlap_step_time_ratio"] = round(overlap["beside_s"] / overlap["alone_s"], 3)
+        result["goal_overlap_step_time_ratio"] = 1.1
+        result["overlap_step_time_ratio_parse_in_process"] = round(
+            overlap["beside_process_s"] / overlap["alone_s"], 3
+        )
+        result["overlap_step_s_alone"] = round(overlap["alone_s"], 5)
+        result["overlap_step_s_beside_parse"] = round(overlap["beside_s"], 5)
+        result["overlap_parse_tokens_per_s"] = round(
+            overlap["parsed_tokens"] / (overlap["beside_s"] * args.overlap_steps)
+        )
     if not args.no_torchrun:
         ranks = run_torchrun_phase(args)
         result["torchrun_s_per_million_tokens"] = round(
@@ -564,6 +741,13 @@ def main() -> None:
         result["torchrun_pickled_scatter_s_per_million_tokens"] = round(
             max(r["pickled_scatter"] for r in ranks) / real * 1e6, 3
         )
+        result["torchrun_distribute_dp1_s_per_million_tokens"] = round(
+            max(r["dp1_broadcast"] for r in ranks) / real * 1e6, 3
+        )
+        result["torchrun_distribute_dp1_serial_sends_s_per_million_tokens"] = round(
+            max(r["dp1_serial_sends"] for r in ranks) / real * 1e6, 3
+        )
+        result["torchrun_nproc"] = args.nproc
         result["torchrun_ranks"] = [
             {k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()} for r in ranks
         ]
@@ -578,7 +762,8 @@ def main() -> None:
         f"{result['parse_speedup_vs_stdlib']:.1f}x; "
         f"build {result['build_s_per_million_tokens']:.2f})"
         f"; rank 0 host memory over parse + build: peak "
-        f"{result['rank0_peak_host_bytes_per_token']:.0f} B/token (samples "
+        f"{result['rank0_peak_host_bytes_per_token']:.0f} B/token, once built "
+        f"{result['rank0_built_host_bytes_per_token']:.0f} (samples "
         f"{result['rank0_samples_host_bytes_per_token']:.0f}, micro-batches "
         f"{result['rank0_micro_batch_host_bytes_per_token']:.0f}), compact routes {compact} B/token"
     )

@@ -25,6 +25,8 @@ def test_share_round_trips_bitwise_with_compact_routes(experts, route_dtype):
     assert len(back) == len(samples) and all(same(a, b) for a, b in zip(back, samples, strict=True))
     routes = [s.routed_experts for s in back if s.routed_experts is not None]
     assert {r.dtype for r in routes} == {np.dtype(route_dtype)}
+    if route_dtype == np.uint8:  # the receiver's routes are views of the buffer, not copies
+        assert all(np.shares_memory(r, buffer.numpy()) for r in routes)
     # Routes travel compact: the buffer is smaller than the int64 token ids plus int32 routes.
     route_bytes = sum(r.size for r in routes) * np.dtype(route_dtype).itemsize
     assert route_bytes < buffer.numel() < route_bytes + 64 * 1024
@@ -79,6 +81,27 @@ def test_unencodable_values_are_refused_naming_the_sample():
     samples[2].prompt_ids = [*samples[2].prompt_ids, 2**63]
     with pytest.raises(ValueError, match="sample 1002: prompt_ids outside int64"):
         encode_share(samples, advantages, 0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dp_ranks", ["0,0,0", "0,0,1", "0,1,1"])
+def test_shares_of_one_data_parallel_rank_are_encoded_once(dp_ranks):
+    """3 ranks: all on one DP rank (DP 1 under TP / EP: one broadcast), and two layouts where
+    two ranks share a DP rank (one buffer sent to both concurrently, the sender's own share
+    kept or sent): every rank gets bitwise what the pickled scatter gives it."""
+    proc = run_torchrun(
+        "tests/dist/batch_transfer.py",
+        *("--num-samples", "24", "--group-size", "4", "--experts", "300"),
+        *("--dp-ranks", dp_ranks),
+        nproc=3,
+        done="BATCH_TRANSFER_OK",
+    )
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("SHARES "))
+    reports = json.loads(line.removeprefix("SHARES "))
+    assert [r["ok"] for r in reports] == [True, True, True]
+    tokens = [r["tokens"] for r in reports]
+    same = [int(x) for x in dp_ranks.split(",")]
+    assert all((tokens[a] == tokens[b]) == (same[a] == same[b]) for a in range(3) for b in range(3))
 
 
 @pytest.mark.slow

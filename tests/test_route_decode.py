@@ -311,3 +311,57 @@ def test_split_refuses_malformed_bodies(body, message):
 def test_split_refuses_a_body_that_is_not_bytes():
     with pytest.raises(TypeError, match="reply body must be bytes or bytearray, got str"):
         split_routed_experts('{"meta_info": {}}')
+
+
+# ---- the SGLang client's path: body bytes -> compact routes (rollout.client) --------------------
+
+
+def _mock_client(bodies: list[bytes]):
+    import httpx
+
+    from megatron_sat.rollout.client import SGLangClient
+
+    client = SGLangClient("http://sglang.test")
+    replies = iter(bodies)
+    client._http = httpx.Client(
+        base_url=client.base_url,
+        transport=httpx.MockTransport(lambda request: httpx.Response(200, content=next(replies))),
+    )
+    return client
+
+
+def test_client_decodes_routes_from_the_body_bytes():
+    """A batched reply: each output's routes are what the stdlib path decodes from the parsed
+    JSON (bit-identical, uint8), and no output's meta_info keeps the base64 string."""
+    from megatron_sat.rollout.sampling import RoutingSpec, SamplingParams
+
+    replies = [_reply(11, num_tokens=4), _reply(12, num_tokens=6)]
+    body = orjson.dumps(replies)
+    client = _mock_client([body])
+    routing = RoutingSpec(num_layers=48, top_k=8, num_experts=128)
+    outs = client.generate([[1] * 7, [2] * 7], SamplingParams(max_new_tokens=6), routing=routing)
+    for out, reply in zip(outs, json.loads(body), strict=True):
+        want = decode_stdlib(
+            reply["meta_info"]["routed_experts"],
+            num_tokens=7 + len(reply["output_ids"]) - 1,
+            num_layers=48,
+            top_k=8,
+            num_experts=128,
+        )
+        held = out.routed_experts
+        assert held.dtype == np.uint8 and (held.base is None or held.base.flags.owndata)
+        assert out.routed_experts.tobytes() == want.tobytes()
+        assert "routed_experts" not in out.meta_info
+        assert out.output_ids == reply["output_ids"]
+
+
+def test_client_names_the_server_for_a_malformed_body():
+    from megatron_sat.rollout.client import SGLangError
+    from megatron_sat.rollout.sampling import RoutingSpec, SamplingParams
+
+    bad = orjson.dumps(_reply(13)).replace(b'"routed_experts":"', b'"routed_experts":"*', 1)
+    routing = RoutingSpec(num_layers=48, top_k=8, num_experts=128)
+    with pytest.raises(SGLangError, match=r"http://sglang.test/generate: .*not valid base64"):
+        _mock_client([bad]).generate([1] * 7, SamplingParams(max_new_tokens=5), routing=routing)
+    with pytest.raises(SGLangError, match=r"http://sglang.test/generate: reply body is not valid"):
+        _mock_client([b"{"]).generate([1] * 7, SamplingParams(max_new_tokens=5))

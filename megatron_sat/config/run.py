@@ -49,6 +49,10 @@ class DataConfig:
         _positive("data", self, "num_eval_prompts")
 
 
+# Holding places of the rollout pool's finished samples (``rollout.pool_storage``).
+POOL_STORAGES = ("rank0_host",)
+
+
 @dataclass
 class RolloutConfig:
     """Rollout generation.
@@ -102,6 +106,14 @@ class RolloutConfig:
         filter_max_resample: with ``filter_groups``, at most this many replacement groups per
             step per prompt of the batch (``filter_max_resample * prompts_per_step``); then
             groups are kept whatever their rewards.
+        pool_storage: where finished samples wait for the trainer: ``rank0_host`` (trainer
+            rank 0's host memory, compact routes; ``megatron_sat.rollout.pool_memory``). The
+            launch plan prints its size at the fullest (1 batch in sync mode, lag + 1 otherwise).
+        pool_tokens_per_sample: prompt + response tokens of a mean sample, for the launch
+            plan's pool memory (the paper's recipe: about 8.4k); null: ``max_new_tokens`` (the
+            responses' limit, prompts not counted).
+        pool_host_memory_gib: refuse a launch whose pool needs more host memory than this on
+            rank 0, GiB; null: printed, not checked.
     """
 
     engine: str = "sglang"
@@ -126,8 +138,18 @@ class RolloutConfig:
     eval_samples_per_prompt: int = 4
     filter_groups: bool = False
     filter_max_resample: int = 4
+    pool_storage: str = "rank0_host"
+    pool_tokens_per_sample: int | None = None
+    pool_host_memory_gib: float | None = None
 
     def __post_init__(self) -> None:
+        if self.pool_storage not in POOL_STORAGES:
+            raise ValueError(
+                f"rollout.pool_storage must be one of {POOL_STORAGES}, got {self.pool_storage!r}"
+            )
+        for name in ("pool_tokens_per_sample", "pool_host_memory_gib"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ValueError(f"rollout.{name} must be > 0 or null, got {getattr(self, name)}")
         _positive(
             "rollout",
             self,

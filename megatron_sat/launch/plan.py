@@ -32,6 +32,7 @@ from megatron_sat.launch.memory import (
 )
 from megatron_sat.launch.step_memory import StepMemory, step_memory_errors
 from megatron_sat.rollout.engines import server_launch
+from megatron_sat.rollout.pool_memory import PoolMemory, pool_memory_errors, rollout_pool_memory
 from megatron_sat.training.optimizer_layout import OptimizerLayout, resolve_optimizer_layout
 
 ORDER = ("tp", "cp", "ep", "dp", "pp")
@@ -116,6 +117,7 @@ class LaunchPlan:
     optimizer_layout: OptimizerLayout | None = None
     memory_offload_toggled: MemoryEstimate | None = None
     step_memory: StepMemory | None = None
+    pool_memory: str = ""  # rollout.pool_memory's report line
 
     @property
     def trainer_nodes(self) -> list[int]:
@@ -203,7 +205,7 @@ def resolve_plan(cfg: Any, hf_config: dict[str, Any] | None = None) -> LaunchPla
     dp, edp = world // (tp * cp * pp), world // (etp * ep * pp)
     groups, ranks = _groups_and_ranks(launch, world, tp, cp, pp, dp, etp, ep, edp)
     servers, source, errors = _servers(cfg, launch)
-    errors += _batch_errors(cfg, dp)
+    errors += _batch_errors(cfg, dp, hf_config)
     layout = _optimizer_layout(cfg, dp * cp, edp, errors)
 
     sizes = dict(tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, dp=dp, sequence_parallel=sp)
@@ -211,8 +213,7 @@ def resolve_plan(cfg: Any, hf_config: dict[str, Any] | None = None) -> LaunchPla
     errors += _memory_errors(cfg, memory, bool(servers), notes)
     if errors:
         raise ValueError("invalid launch configuration:\n  " + "\n  ".join(errors))
-    samples = cfg.rollout.prompts_per_step * cfg.rollout.group_size
-    mbs = cfg.train.micro_batch_size
+    samples, mbs = cfg.rollout.prompts_per_step * cfg.rollout.group_size, cfg.train.micro_batch_size
     return LaunchPlan(
         launch=launch,
         run_name=Path(cfg.run_dir).name,
@@ -243,6 +244,7 @@ def resolve_plan(cfg: Any, hf_config: dict[str, Any] | None = None) -> LaunchPla
         optimizer_layout=layout,
         memory_offload_toggled=toggled,
         step_memory=step,
+        pool_memory=_pool_memory(cfg, hf_config)[1],
     )
 
 
@@ -325,9 +327,20 @@ def _groups_and_ranks(
     return groups, ranks
 
 
-def _batch_errors(cfg: Any, dp: int) -> list[str]:
-    """The step's batch against the data-parallel size and the micro-batch size."""
+def _pool_memory(cfg: Any, hf_config: dict[str, Any]) -> tuple[PoolMemory, str]:
+    """The rollout pool's host memory and its report line (``rollout.pool_memory``)."""
+    return rollout_pool_memory(
+        cfg.rollout, hf_config, with_routes=cfg.rollout.return_routed_experts
+    )
+
+
+def _batch_errors(cfg: Any, dp: int, hf_config: dict[str, Any]) -> list[str]:
+    """The step's batch against the data-parallel size, the micro-batch size and the pool's
+    host memory limit (``rollout.pool_host_memory_gib``)."""
     ro = cfg.rollout
+    pool_errors = pool_memory_errors(ro, _pool_memory(cfg, hf_config)[0])
+    if pool_errors:
+        return pool_errors
     samples = ro.prompts_per_step * ro.group_size
     mbs = cfg.train.micro_batch_size
     if ro.prompts_per_step % dp:
@@ -586,5 +599,6 @@ def format_plan(plan: LaunchPlan, max_rows: int = 64) -> str:
             f"memory per rollout device: bf16 weights {m.server_weight_bytes_per_gpu / GIB:.1f}"
             f" GiB (TP {la.rollout_server_tp}); the rest is the server's KV cache"
         )
+    lines += [plan.pool_memory] if plan.pool_memory else []
     lines += [f"note: {n}" for n in plan.notes]
     return "\n".join(lines)

@@ -41,6 +41,7 @@ from megatron_sat.rollout.sampling import (
     SamplingParams,
 )
 from megatron_sat.routing.payload import decode_routed_experts
+from megatron_sat.routing.wire import split_generate_reply
 from megatron_sat.weight_sync.channel import PAUSE_MODES
 
 # The engine-neutral names (``rollout.engine``, ``rollout.sampling``) stay importable from here.
@@ -129,18 +130,26 @@ class SGLangClient(HTTPClient):
         if routing is not None:
             body["return_routed_experts"] = True
             body["routed_experts_start_len"] = routed_experts_start_len
-        reply = self._request("POST", "/generate", body, retry=True).json()
-        items = reply if isinstance(reply, list) else [reply]
+        # The routes stay in the body's bytes until decoded (routing.wire): no 2 KB/token str.
+        try:
+            items, payloads = split_generate_reply(
+                self._request("POST", "/generate", body, retry=True).content
+            )
+        except ValueError as e:
+            raise SGLangError(f"{self.base_url}/generate: {e}") from e
         if len(items) != len(batch):
             raise SGLangError(f"{self.base_url}/generate: {len(items)} outputs for {len(batch)}")
         return [
-            self._parse_output(item, len(prompt), routing, routed_experts_start_len, return_logprob)
-            for item, prompt in zip(items, batch, strict=True)
+            self._parse_output(
+                item, payload, len(prompt), routing, routed_experts_start_len, return_logprob
+            )
+            for item, payload, prompt in zip(items, payloads, batch, strict=True)
         ]
 
     def _parse_output(
         self,
         item: dict[str, Any],
+        payload: memoryview | None,
         prompt_len: int,
         routing: RoutingSpec | None,
         start_len: int,
@@ -173,7 +182,6 @@ class SGLangClient(HTTPClient):
                     )
                 logprobs.append(float(entry[0]))
         routed = None
-        payload = meta.get("routed_experts")
         # A request aborted before it ran has no routing; the caller retries it anyway.
         if routing is not None and not (payload is None and finish["type"] == "abort"):
             if payload is None:

@@ -112,6 +112,22 @@ def split_routed_experts(
     return replies[0], payloads[0]
 
 
+def split_generate_reply(
+    body: bytes | bytearray,
+) -> tuple[list[dict[str, Any]], list[memoryview | None]]:
+    """:func:`split_routed_experts` of a ``/generate`` body as lists whether the body is one
+    reply or a batch: ``(replies, payloads)``, one payload (a view of ``body``, or None) per
+    reply, the reply's ``meta_info`` without ``routed_experts``. The client's one call.
+
+    Raises:
+        TypeError, ValueError: as :func:`split_routed_experts`.
+    """
+    replies, payloads = split_routed_experts(body)
+    if isinstance(replies, list):
+        return replies, payloads
+    return [replies], [payloads]
+
+
 def _find_cuts(body: bytes | bytearray) -> list[tuple[int, int, int]]:
     """(key offset, start, end) of every ``routed_experts`` key with a string value: the value
     is ``body[start:end]``, between its quotes."""

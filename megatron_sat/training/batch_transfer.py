@@ -7,9 +7,12 @@ inflated by pickling (tens of GB at the paper's shape: 8.4k tokens x 48 layers x
 sample). Here each sample's fields become segments of one ``uint8`` buffer per destination --
 token ids and versions int64, log-probs, rewards and advantages in their own dtypes (bitwise),
 routes in the dtype they were decoded to (uint8 or int16, see ``routing.payload``), strings as
-UTF-8 -- sent point to point over a gloo group (``cpu_group``), one destination at a time, so
-rank 0 holds at most one encoded share besides the batch and nothing touches a GPU. Routes stay
-compact until ``training.batching`` installs them.
+UTF-8 -- over a gloo group (``cpu_group``), so nothing touches a GPU. Each distinct share is
+encoded once: at data-parallel size 1 (TP / EP / PP ranks all train on the whole batch) it is
+broadcast, else sent to the ranks of its data-parallel rank concurrently, the next share encoded
+while the previous one is in flight (rank 0 holds at most two encoded shares besides the batch).
+A receiver's routes are views of the received buffer, their final host form: routes stay
+compact and are copied nowhere until ``training.batching`` places them.
 
 ``encode_share`` / ``decode_share`` are exact inverses (every field of ``Sample``; a test
 round-trips them bitwise).
@@ -181,11 +184,13 @@ def decode_share(buffer: torch.Tensor) -> tuple[list[Sample], torch.Tensor, int 
     Raises:
         ValueError: for a buffer that is not one (wrong magic or sizes).
     """
-    raw = buffer.numpy().tobytes()
+    raw = buffer.numpy()  # views of it below: the routes are decoded without a copy
     num_segments = 9
-    lengths = np.frombuffer(raw[: 8 * num_segments], dtype=np.int64)
+    if raw.dtype != np.uint8 or raw.ndim != 1 or len(raw) < 8 * num_segments:
+        raise ValueError(f"not a batch buffer: {raw.dtype} of shape {raw.shape}")
+    lengths = raw[: 8 * num_segments].copy().view(np.int64)
     pos = 8 * num_segments
-    header = np.frombuffer(raw[pos : pos + 8 * int(lengths[0])], dtype=np.int64)
+    header = raw[pos : pos + 8 * int(lengths[0])].copy().view(np.int64)
     pos += 8 * int(lengths[0])
     if len(header) < 5 or header[0] != _MAGIC:
         raise ValueError("not a batch buffer (bad magic): sender and receiver disagree")
@@ -196,13 +201,14 @@ def decode_share(buffer: torch.Tensor) -> tuple[list[Sample], torch.Tensor, int 
     if pos != len(raw):
         raise ValueError(f"batch buffer of {len(raw)} bytes, its segments add up to {pos}")
     n, version, adv_code, adv_ndim = (int(x) for x in header[1:5])
-    table = np.frombuffer(chunks[0], dtype=np.int64).reshape(n, len(_FIELDS))
-    tokens = np.frombuffer(chunks[1], dtype=np.int64)
-    versions = np.frombuffer(chunks[2], dtype=np.int64)
-    log_probs = np.frombuffer(chunks[3], dtype=np.float64)
-    rewards = np.frombuffer(chunks[4], dtype=np.float64)
-    adv = np.frombuffer(chunks[5], dtype=_DTYPES[adv_code]).reshape(header[5 : 5 + adv_ndim])
-    routes, text = chunks[6], chunks[7]
+    # Segments start at arbitrary byte offsets: the small ones are copied to aligned arrays.
+    table = chunks[0].copy().view(np.int64).reshape(n, len(_FIELDS))
+    tokens = chunks[1].copy().view(np.int64)
+    versions = chunks[2].copy().view(np.int64)
+    log_probs = chunks[3].copy().view(np.float64)
+    rewards = chunks[4].copy().view(np.float64)
+    adv = chunks[5].copy().view(_DTYPES[adv_code]).reshape(header[5 : 5 + adv_ndim])
+    routes, text = chunks[6], chunks[7].tobytes()
     samples = []
     t = v = r_pos = x_pos = 0
     for row in range(n):
@@ -217,7 +223,12 @@ def decode_share(buffer: torch.Tensor) -> tuple[list[Sample], torch.Tensor, int 
             dtype = np.dtype(_DTYPES[f["route_dtype"]])
             shape = (f["route_rows"], f["route_layers"], f["route_topk"])
             count = shape[0] * shape[1] * shape[2]
-            routed = np.frombuffer(routes, dtype, count, r_pos).reshape(shape).copy()
+            # A view of the received buffer (uint8 needs no alignment; int16 is aligned
+            # when the segment is: else one copy), the routes' final host form.
+            part = routes[r_pos : r_pos + count * dtype.itemsize]
+            if part.ctypes.data % dtype.itemsize:
+                part = part.copy()
+            routed = part.view(dtype).reshape(shape)
             r_pos += count * dtype.itemsize
         samples.append(
             Sample(
@@ -243,16 +254,44 @@ def decode_share(buffer: torch.Tensor) -> tuple[list[Sample], torch.Tensor, int 
 
 
 def send_shares(
-    shares: dict[int, tuple[list[Sample], torch.Tensor, int | None]], group=None
+    shares: dict[int, tuple[list[Sample], torch.Tensor, int | None]],
+    group=None,
+    *,
+    same_share: dict[int, int] | None = None,
 ) -> None:
-    """Rank 0: send rank ``d`` its share ``shares[d]`` (every other rank of the group),
-    one destination at a time (length, then the buffer) over ``group`` (default
-    ``cpu_group()``)."""
+    """Rank 0: send rank ``d`` its share ``shares[d]`` (every other rank of the group) over
+    ``group`` (default ``cpu_group()``), the length then the buffer.
+
+    Ranks with the same key in ``same_share`` (their data-parallel rank: the TP / EP / PP
+    ranks of one DP rank train on the same share) get one encoded buffer, sent to all of them
+    concurrently (``isend``); the next share is encoded while the previous one is in flight,
+    so rank 0 holds at most two encoded shares besides the batch. Returns once every send
+    completed.
+    """
     group = cpu_group() if group is None else group
+    same_share = same_share or {dst: dst for dst in shares}
+    by_share: dict[int, list[int]] = {}
     for dst in sorted(shares):
-        buffer = encode_share(*shares[dst])
-        dist.send(torch.tensor([buffer.numel()], dtype=torch.int64), dst=dst, group=group)
-        dist.send(buffer, dst=dst, group=group)
+        by_share.setdefault(same_share[dst], []).append(dst)
+    in_flight: list = []
+    for destinations in by_share.values():
+        buffer = encode_share(*shares[destinations[0]])
+        size = torch.tensor([buffer.numel()], dtype=torch.int64)
+        _wait(in_flight)  # the previous share's sends, while this one was encoded
+        in_flight = [
+            work
+            for dst in destinations
+            for work in (
+                dist.isend(size, dst=dst, group=group),
+                dist.isend(buffer, dst=dst, group=group),
+            )
+        ]
+    _wait(in_flight)
+
+
+def _wait(works: list) -> None:
+    for work in works:
+        work.wait()
 
 
 def receive_share(group=None) -> tuple[list[Sample], torch.Tensor, int | None]:
@@ -265,6 +304,23 @@ def receive_share(group=None) -> tuple[list[Sample], torch.Tensor, int | None]:
     return decode_share(buffer)
 
 
+def broadcast_share(
+    share: tuple[list[Sample], torch.Tensor, int | None] | None, group=None
+) -> tuple[list[Sample], torch.Tensor, int | None]:
+    """One share for every rank of ``group`` (data-parallel size 1 under TP / EP / PP): rank 0
+    passes it, encodes it once and broadcasts the buffer; the others pass None and decode it.
+    Rank 0 gets its own share back without a copy."""
+    group = cpu_group() if group is None else group
+    rank = dist.get_rank()
+    buffer = encode_share(*share) if rank == 0 else None
+    size = torch.tensor([0 if buffer is None else buffer.numel()], dtype=torch.int64)
+    dist.broadcast(size, src=0, group=group)
+    if buffer is None:
+        buffer = torch.empty(int(size), dtype=torch.uint8)
+    dist.broadcast(buffer, src=0, group=group)
+    return share if rank == 0 else decode_share(buffer)
+
+
 def distribute_batch(
     samples: list[Sample] | None,
     advantages: torch.Tensor | None,
@@ -275,8 +331,11 @@ def distribute_batch(
     """Every rank's share of rank 0's batch: rank ``r`` gets
     ``(samples[slices[dp_rank of r]], advantages[same], trainer_version)``.
 
-    Collective over ``cpu_group()``: one all-gather of the data-parallel ranks (int64), then
-    ``send_shares`` / ``receive_share``. Rank 0 keeps its own share without a copy.
+    Collective over ``cpu_group()``: one all-gather of the data-parallel ranks (int64); then,
+    when every rank has the same data-parallel rank (DP 1 with TP / EP / PP), one encode and
+    one broadcast (``broadcast_share``); else each distinct share is encoded once and sent to
+    its ranks concurrently (``send_shares`` / ``receive_share``). Rank 0 keeps its own share
+    without a copy.
 
     Args:
         samples, advantages, trainer_version, slices: rank 0's batch and its shares by
@@ -291,13 +350,16 @@ def distribute_batch(
     gathered = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
     dist.all_gather(gathered, torch.tensor([dp_rank], dtype=torch.int64), group=group)
     dp_ranks = [int(t) for t in gathered]
-    if rank != 0:
-        return receive_share(group)
-    if samples is None or advantages is None or slices is None:
+    if rank == 0 and (samples is None or advantages is None or slices is None):
         raise ValueError("rank 0 must pass the batch, its advantages and the shares' slices")
 
     def share(d: int):
         return samples[slices[d]], advantages[slices[d]], trainer_version
 
-    send_shares({r: share(d) for r, d in enumerate(dp_ranks) if r != 0}, group)
+    if len(set(dp_ranks)) == 1:
+        return broadcast_share(share(dp_ranks[0]) if rank == 0 else None, group)
+    if rank != 0:
+        return receive_share(group)
+    others = {r: share(d) for r, d in enumerate(dp_ranks) if r != 0}
+    send_shares(others, group, same_share={r: dp_ranks[r] for r in others})
     return share(dp_ranks[0])

@@ -25,6 +25,7 @@ experts, int16 above) until a router's target is cut from them
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ import numpy as np
 import torch
 
 from megatron_sat.rollout.types import Sample
+from megatron_sat.routing.checks import RouteFault, find_route_fault, layer_selection
 from megatron_sat.routing.payload import compact_expert_dtype
 from megatron_sat.routing.slicing import router_targets
 
@@ -158,10 +160,14 @@ def check_sample_routes(
         ValueError: naming the sample (and the token row and layer of a repeated expert), or
             for a ``moe_layers`` entry outside [1, num_layers].
     """
-    layers = list(range(1, num_layers + 1)) if moe_layers is None else sorted(moe_layers)
-    outside = [n for n in layers if not 1 <= n <= num_layers]
-    if outside:
-        raise ValueError(f"moe_layers {outside} outside [1, num_layers={num_layers}]")
+    layer_selection(num_layers, moe_layers)  # refuses entries outside [1, num_layers]
+    _check_route_shape(sample, num_layers, top_k)
+    fault = find_route_fault(sample.routed_experts, num_experts, moe_layers)
+    _raise_route_fault(sample, fault, num_experts)
+
+
+def _check_route_shape(sample: Sample, num_layers: int, top_k: int) -> None:
+    """The shape and dtype half of :func:`check_sample_routes`."""
     routed = sample.routed_experts
     expected = (sample.num_tokens - 1, num_layers, top_k)
     if routed is None:
@@ -182,21 +188,20 @@ def check_sample_routes(
                 else ""
             )
         )
-    if not routed.size or not layers:
+
+
+def _raise_route_fault(sample: Sample, fault: RouteFault | None, num_experts: int) -> None:
+    """The named error of :func:`check_sample_routes` for ``fault`` (row and layer of
+    ``sample.routed_experts``); nothing when ``fault`` is None."""
+    if fault is None:
         return
-    moe = routed[:, [n - 1 for n in layers]]  # [tokens, MoE layers, top_k]
-    if moe.min() < 0 or moe.max() >= num_experts:
+    if fault.kind == "range":
         raise ValueError(f"sample {sample.index}: routed_experts ids outside [0, {num_experts})")
-    if top_k > 1:
-        ordered = np.sort(moe, axis=-1)
-        repeated = (ordered[..., 1:] == ordered[..., :-1]).any(-1)
-        if repeated.any():
-            token, column = np.argwhere(repeated)[0]
-            layer = layers[column] - 1  # 0-based index into the payload, as the shape above
-            raise ValueError(
-                f"sample {sample.index}: routed_experts row {token}, layer {layer} names one "
-                f"expert twice: {routed[token, layer].tolist()}"
-            )
+    row = sample.routed_experts[fault.row, fault.layer].tolist()
+    raise ValueError(
+        f"sample {sample.index}: routed_experts row {fault.row}, layer {fault.layer} names one "
+        f"expert twice: {row}"
+    )
 
 
 @dataclass
@@ -243,10 +248,10 @@ def place_tokens(
     """
     rows, seq = sample_row.shape
     real = sample_row >= 0
-    tokens = [torch.tensor(s.prompt_ids + s.response_ids, dtype=torch.long) for s in samples]
-    lengths = torch.tensor([len(t) for t in tokens], dtype=torch.long)
+    lengths = torch.tensor([s.num_tokens for s in samples], dtype=torch.long)
     offsets = torch.cumsum(lengths, 0) - lengths
-    flat_tokens = torch.cat(tokens) if tokens else torch.zeros(0, dtype=torch.long)
+    ids = [x for s in samples for x in (s.prompt_ids, s.response_ids)]
+    flat_tokens = torch.from_numpy(_flat(ids, np.int64, int(lengths.sum())))
     src_row = sample_row.clamp(min=0)
     if bool((real & ((sample_pos < 0) | (sample_pos >= lengths[src_row]))).any()):
         raise ValueError("index map points outside a sample")
@@ -259,44 +264,163 @@ def place_tokens(
     routes = None
     routes_valid = has_next  # a token has a rollout route iff it is not its sample's last
     if routing_shape is not None:
-        num_layers, top_k, num_experts = routing_shape
-        for s in samples:
-            check_sample_routes(s, num_layers, top_k, num_experts, moe_layers)
-        dtype = torch.from_numpy(np.zeros(0, dtype=compact_expert_dtype(num_experts))).dtype
-        # One gather from [rollout rows of every sample; one cycle of filler rows]: filler row
-        # i repeats with period num_experts / gcd(top_k, num_experts).
-        period = num_experts // math.gcd(top_k, num_experts)
-        cycle = torch.from_numpy(filler_routes(period, top_k, num_experts)).to(dtype)
-        parts = [
-            torch.from_numpy(np.ascontiguousarray(s.routed_experts)).to(dtype) for s in samples
-        ]
-        parts.append(cycle[:, None, :].expand(period, num_layers, top_k))
-        table = torch.cat(parts)
-        num_rollout_rows = table.shape[0] - period
-        route_offsets = offsets - torch.arange(len(samples))  # each sample has len - 1 rows
-        take = torch.where(
-            routes_valid,
-            route_offsets[src_row] + sample_pos.clamp(min=0),
-            num_rollout_rows + torch.arange(rows * seq).view(rows, seq) % period,
-        )
-        routes = table[take]
+        starts = _contiguous_starts(sample_row, sample_pos, real, lengths)
+        if starts is None:
+            routes = _gather_routes(
+                samples, src_row, sample_pos, routes_valid, offsets, routing_shape, moe_layers
+            )
+        else:
+            routes = _copy_routes(
+                samples, starts, sample_row, sample_pos, routes_valid, routing_shape, moe_layers
+            )
     return PlacedTokens(input_ids, labels, routes, routes_valid)
 
 
-def _sample_fields(s: Sample) -> tuple[int, int, torch.Tensor]:
-    p, r = len(s.prompt_ids), len(s.response_ids)
-    if p == 0:
-        raise ValueError(f"sample {s.index} has an empty prompt")
-    if len(s.rollout_log_probs) != r or len(s.response_versions) != r:
-        raise ValueError(
-            f"sample {s.index}: {r} response tokens but {len(s.rollout_log_probs)} "
-            f"rollout_log_probs and {len(s.response_versions)} response_versions"
-        )
-    lp = torch.tensor(s.rollout_log_probs, dtype=torch.float32)
-    if not torch.isfinite(lp).all():
-        bad = int((~torch.isfinite(lp)).nonzero()[0])
-        raise ValueError(f"sample {s.index}: rollout_log_probs[{bad}] = {lp[bad].item()}")
-    return p, r, lp
+def _torch_dtype(num_experts: int) -> torch.dtype:
+    return torch.from_numpy(np.zeros(0, dtype=compact_expert_dtype(num_experts))).dtype
+
+
+def _filler_cycle(routing_shape: tuple[int, int, int]) -> np.ndarray:
+    """One period of filler rows [period, top_k] in the compact dtype: filler row i (flat
+    position i of the model input) is row ``i % period``, period num_experts / gcd(top_k,
+    num_experts)."""
+    _, top_k, num_experts = routing_shape
+    period = num_experts // math.gcd(top_k, num_experts)
+    return filler_routes(period, top_k, num_experts).astype(compact_expert_dtype(num_experts))
+
+
+def _contiguous_starts(
+    sample_row: torch.Tensor, sample_pos: torch.Tensor, real: torch.Tensor, lengths: torch.Tensor
+) -> list[int] | None:
+    """Flat position (over [R, T]) of each sample's first token when the map holds every token
+    of every sample at consecutive flat positions in order (the padded and packed layouts);
+    None otherwise (the general gather then places the routes). Numpy: a handful of small
+    arrays per micro-batch, where torch's per-call cost would dominate."""
+    if not len(lengths):
+        return None
+    real_np = real.numpy().reshape(-1)
+    flat = np.flatnonzero(real_np)
+    which = sample_row.numpy().reshape(-1)[flat]
+    first = flat - sample_pos.numpy().reshape(-1)[flat]
+    if not np.array_equal(np.bincount(which, minlength=len(lengths)), lengths.numpy()):
+        return None
+    starts = np.full(len(lengths), -1, dtype=np.int64)
+    starts[which] = first
+    if not np.array_equal(starts[which], first):
+        return None
+    return starts.tolist()
+
+
+def _copy_routes(
+    samples: Sequence[Sample],
+    starts: list[int],
+    sample_row: torch.Tensor,
+    sample_pos: torch.Tensor,
+    routes_valid: torch.Tensor,
+    routing_shape: tuple[int, int, int],
+    moe_layers: Sequence[int] | None,
+) -> torch.Tensor:
+    """Routes [R, T, L, K] for a map that holds each sample contiguously: one preallocated
+    array in the compact dtype, each sample's rows copied in once at its start, filler rows
+    written at the other positions, then one vectorised check of the whole micro-batch
+    (:func:`megatron_sat.routing.checks.find_route_fault`; filler rows always pass) whose
+    fault is named by sample, row and layer as :func:`check_sample_routes` names it. Once it
+    passes, each sample's ``routed_experts`` (in the compact dtype) is replaced by the view of
+    its rows in the micro-batch: equal values, one copy held instead of two."""
+    num_layers, top_k, num_experts = routing_shape
+    layer_selection(num_layers, moe_layers)
+    dtype = compact_expert_dtype(num_experts)
+    rows, seq = sample_row.shape
+    routes = np.empty((rows * seq, num_layers, top_k), dtype=dtype)
+    for s, start in zip(samples, starts, strict=True):
+        _check_route_shape(s, num_layers, top_k)
+        if s.routed_experts.dtype != dtype:  # a cast could wrap an id: check before it
+            _raise_route_fault(
+                s, find_route_fault(s.routed_experts, num_experts, moe_layers), num_experts
+            )
+        routes[start : start + len(s.routed_experts)] = s.routed_experts
+    fill = np.flatnonzero(~routes_valid.reshape(-1).numpy())
+    cycle = _filler_cycle(routing_shape)
+    routes[fill] = cycle[fill % len(cycle)][:, None, :]
+    fault = find_route_fault(routes, num_experts, moe_layers)
+    if fault is not None:
+        row = int(sample_row.view(-1)[fault.row])
+        if row < 0:
+            raise RuntimeError(f"filler route at flat position {fault.row} is invalid: {fault}")
+        token = int(sample_pos.view(-1)[fault.row])
+        _raise_route_fault(samples[row], RouteFault(fault.kind, token, fault.layer), num_experts)
+    # The micro-batch takes the routes over: each sample now views its rows in it (the same
+    # values, shape and dtype), so rank 0 does not hold every route twice once the batch is
+    # built (bench/data_path.py, rank0_built_host_bytes_per_token).
+    for s, start in zip(samples, starts, strict=True):
+        if s.routed_experts.dtype == dtype:
+            s.routed_experts = routes[start : start + len(s.routed_experts)]
+    return torch.from_numpy(routes).view(rows, seq, num_layers, top_k)
+
+
+def _gather_routes(
+    samples: Sequence[Sample],
+    src_row: torch.Tensor,
+    sample_pos: torch.Tensor,
+    routes_valid: torch.Tensor,
+    offsets: torch.Tensor,
+    routing_shape: tuple[int, int, int],
+    moe_layers: Sequence[int] | None,
+) -> torch.Tensor:
+    """Routes [R, T, L, K] for any map: every sample checked, then one gather from [rollout
+    rows of every sample; one cycle of filler rows]."""
+    num_layers, top_k, num_experts = routing_shape
+    for s in samples:
+        check_sample_routes(s, num_layers, top_k, num_experts, moe_layers)
+    dtype = _torch_dtype(num_experts)
+    cycle = torch.from_numpy(_filler_cycle(routing_shape))
+    period = cycle.shape[0]
+    parts = [torch.from_numpy(np.ascontiguousarray(s.routed_experts)).to(dtype) for s in samples]
+    parts.append(cycle[:, None, :].expand(period, num_layers, top_k))
+    table = torch.cat(parts)
+    num_rollout_rows = table.shape[0] - period
+    route_offsets = offsets - torch.arange(len(samples))  # each sample has len - 1 rows
+    rows, seq = src_row.shape
+    take = torch.where(
+        routes_valid,
+        route_offsets[src_row] + sample_pos.clamp(min=0),
+        num_rollout_rows + torch.arange(rows * seq).view(rows, seq) % period,
+    )
+    return table[take]
+
+
+def _flat(lists: Sequence[Sequence], dtype: type, count: int) -> np.ndarray:
+    """Concatenated Python lists as one numpy array, iterated in C (one call per micro-batch
+    instead of one ``torch.tensor`` per list)."""
+    return np.fromiter(itertools.chain.from_iterable(lists), dtype=dtype, count=count)
+
+
+def _response_fields(samples: Sequence[Sample]) -> tuple[np.ndarray, np.ndarray]:
+    """Every sample's rollout log-probs (float32) and response versions (int64), concatenated
+    in sample order, after the per-sample checks.
+
+    Raises:
+        ValueError: naming the sample, for an empty prompt, log-probs or versions of another
+            length than the response, or a NaN/inf log-prob.
+    """
+    for s in samples:
+        r = len(s.response_ids)
+        if not s.prompt_ids:
+            raise ValueError(f"sample {s.index} has an empty prompt")
+        if len(s.rollout_log_probs) != r or len(s.response_versions) != r:
+            raise ValueError(
+                f"sample {s.index}: {r} response tokens but {len(s.rollout_log_probs)} "
+                f"rollout_log_probs and {len(s.response_versions)} response_versions"
+            )
+    total = sum(len(s.response_ids) for s in samples)
+    lp = _flat([s.rollout_log_probs for s in samples], np.float32, total)
+    if not np.isfinite(lp).all():
+        bad = int(np.flatnonzero(~np.isfinite(lp))[0])
+        for s in samples:
+            if bad < len(s.response_ids):
+                raise ValueError(f"sample {s.index}: rollout_log_probs[{bad}] = {lp[bad]}")
+            bad -= len(s.response_ids)
+    return lp, _flat([s.response_versions for s in samples], np.int64, total)
 
 
 def build_micro_batch(
@@ -342,12 +466,15 @@ def build_micro_batch(
     rollout_lp = torch.zeros((b, seq), dtype=torch.float32)
     versions = torch.full((b, seq), -1, dtype=torch.long)
     sample_row = torch.full((b, seq), -1, dtype=torch.long)
+    lp, response_versions = (torch.from_numpy(x) for x in _response_fields(samples))
+    offset = 0
     for row, s in enumerate(samples):
-        p, r, lp = _sample_fields(s)
+        p, r = len(s.prompt_ids), len(s.response_ids)
         sample_row[row, : p + r] = row
         loss_mask[row, p - 1 : p + r - 1] = 1.0
-        rollout_lp[row, p - 1 : p + r - 1] = lp
-        versions[row, p - 1 : p + r - 1] = torch.tensor(s.response_versions, dtype=torch.long)
+        rollout_lp[row, p - 1 : p + r - 1] = lp[offset : offset + r]
+        versions[row, p - 1 : p + r - 1] = response_versions[offset : offset + r]
+        offset += r
     position_ids = torch.arange(seq, dtype=torch.long).expand(b, seq).contiguous()
     placed = place_tokens(
         samples,

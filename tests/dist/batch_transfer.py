@@ -1,8 +1,10 @@
-"""torchrun (2 gloo ranks): every rank's share from ``distribute_batch`` (flat tensors, each
+"""torchrun (gloo ranks): every rank's share from ``distribute_batch`` (flat tensors, each
 rank its own share) is bitwise what ``dist.scatter_object_list`` of the pickled shares (the
 path it replaced) delivers; prints per-rank timings for bench/data_path.py.
 
-Args: ``--num-samples N --group-size G --response-len R --layers L --topk K --experts E``.
+Args: ``--num-samples N --group-size G --response-len R --layers L --topk K --experts E``,
+``--dp-ranks 0,0,1`` (each rank's data-parallel rank; default: its rank): equal entries train
+on one share (TP / EP ranks of one DP rank), all equal is data-parallel size 1 (broadcast).
 """
 
 from __future__ import annotations
@@ -80,17 +82,19 @@ def main() -> None:
     for name, default in (("num-samples", 16), ("group-size", 4), ("response-len", 256),
                           ("layers", 4), ("topk", 2), ("experts", 8), ("repeats", 1)):  # fmt: skip
         ap.add_argument(f"--{name}", type=int, default=default)
+    ap.add_argument("--dp-ranks", default="")
     args = ap.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    dp_ranks = [int(x) for x in args.dp_ranks.split(",")] if args.dp_ranks else list(range(world))
     batch = synthetic_batch(
         args.num_samples, args.group_size, args.response_len, args.layers, args.topk, args.experts
     )
-    slices = dp_shares(args.num_samples, args.group_size, world)
+    slices = dp_shares(args.num_samples, args.group_size, max(dp_ranks) + 1)
     # The path it replaced (rl.py before issue 12), on the same gloo world.
     objects = None
     if rank == 0:
-        objects = [(batch[0][slices[d]], batch[1][slices[d]], 7) for d in range(world)]
+        objects = [(batch[0][slices[d]], batch[1][slices[d]], 7) for d in dp_ranks]
     received: list = [None]
     dist.scatter_object_list(received, objects, src=0)
     old = received[0]
@@ -99,9 +103,9 @@ def main() -> None:
         dist.barrier()
         start = time.perf_counter()
         if rank == 0:
-            new = distribute_batch(batch[0], batch[1], 7, slices, dp_rank=rank)
+            new = distribute_batch(batch[0], batch[1], 7, slices, dp_rank=dp_ranks[rank])
         else:
-            new = distribute_batch(None, None, None, None, dp_rank=rank)
+            new = distribute_batch(None, None, None, None, dp_rank=dp_ranks[rank])
         timings.append(time.perf_counter() - start)
     samples, advantages, version = new
     ok = (
