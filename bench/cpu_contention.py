@@ -154,7 +154,17 @@ def measure(args, variant: str, loaded: bool) -> dict:
     env = {
         k: v
         for k, v in os.environ.items()
-        if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "KMP_BLOCKTIME", "MEGATRON_SAT_THREADS")
+        # every input of platform.threads' decision: each variant sets its own
+        if k
+        not in (
+            "OMP_NUM_THREADS",
+            "OMP_WAIT_POLICY",
+            "KMP_BLOCKTIME",
+            "MEGATRON_SAT_THREADS",
+            "MEGATRON_SAT_THREADS_CHOSEN",
+            "MEGATRON_SAT_LOCAL_PROCESSES",
+            "LOCAL_WORLD_SIZE",
+        )
     }
     env.update(spec["env"], PYTHONPATH=str(ROOT))
     load: list[subprocess.Popen] = []
