@@ -11,9 +11,11 @@ weights) with one embedded rollout server. The trainer and the server get one CP
 - ``lag n``: the AsyncRolloutPool in fixed-lag mode: generation of batch t + n overlaps the
   training of batch t.
 
-The last line is JSON with every figure; ``fraction_of_bound`` is the lowest lag-n throughput
-over the bound (issue #5 goal: >= 0.9).
-Usage: ``python bench/async_throughput.py [--steps 12] [--prompts 16] [--group-size 8]``.
+The whole set runs ``--repeats`` times (default 3) in one process; the last line is JSON with
+each figure's median over the rounds. ``fraction_of_bound`` is the lowest lag-n throughput
+over the bound of the same round (issue #5 goal: >= 0.9; issue 24: the median of three).
+Usage: ``python bench/async_throughput.py [--steps 12] [--prompts 16] [--group-size 8]
+[--repeats 3]``.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -46,6 +50,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=3, help="rounds; figures are medians")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     from megatron_sat.config import ParallelConfig, TrainConfig
@@ -74,6 +79,65 @@ def main() -> None:
         rewards = torch.tensor([s.reward for s in samples])
         trainer.rl_step(samples, compute_grpo_advantages(rewards, args.group_size), objective)
 
+    def one_round(generate, train, updater, client, sync_pool, prompts) -> dict:
+        """Stage times, the bound, sync and lag 1/4/8 throughputs, back to back."""
+        version = 0
+        t0 = time.perf_counter()
+        samples = [generate() for _ in range(3)][-1]
+        t_gen = (time.perf_counter() - t0) / 3
+        t0 = time.perf_counter()
+        for _ in range(3):
+            train(samples)
+            version += 1
+            updater.update(trainer.hf_tensors(), weight_version=str(version))
+        t_train = (time.perf_counter() - t0) / 3
+        bound = batch / max(t_gen, t_train)
+
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            train(generate())
+            version += 1
+            updater.update(trainer.hf_tensors(), weight_version=str(version))
+        sync_rate = args.steps * batch / (time.perf_counter() - t0)
+
+        rates = {}
+        for lag in (1, 4, 8):
+            pool = AsyncRolloutPool(
+                [client],
+                tokenizer,
+                math_reward,
+                prompts,
+                AsyncPoolConfig(
+                    mode="fixed_lag",
+                    lag=lag,
+                    prompts_per_batch=args.prompts,
+                    group_size=args.group_size,
+                ),
+                sampling,
+                routing=routing,
+            )
+            # Batch indices count from the pool's own version 0.
+            updater.update(trainer.hf_tensors(), weight_version="0")
+            pool.start()
+            # The first `lag` steps fill the pipeline and are not timed.
+            for step in range(lag + args.steps):
+                if step == lag:
+                    t0 = time.perf_counter()
+                train(pool.get_batch(step))
+                pool.wait_before_update(step + 1)
+                updater.update(trainer.hf_tensors(), weight_version=str(step + 1))
+                pool.set_version(step + 1)
+            rates[lag] = args.steps * batch / (time.perf_counter() - t0)
+            pool.stop()
+        return {
+            "generate_s": t_gen,
+            "train_and_sync_s": t_train,
+            "bound_samples_per_s": bound,
+            "sync_samples_per_s": sync_rate,
+            **{f"lag{n}_samples_per_s": r for n, r in rates.items()},
+            "fraction_of_bound": min(rates.values()) / bound,
+        }
+
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = trainer.save_hf(Path(tmp) / "model")
         tokenizer.save_pretrained(ckpt)
@@ -99,62 +163,19 @@ def main() -> None:
                 )
 
             generate()  # warm-up
-            t0 = time.perf_counter()
-            samples = [generate() for _ in range(3)][-1]
-            t_gen = (time.perf_counter() - t0) / 3
-            t0 = time.perf_counter()
-            for _ in range(3):
-                train(samples)
-                version += 1
-                updater.update(trainer.hf_tensors(), weight_version=str(version))
-            t_train = (time.perf_counter() - t0) / 3
-            bound = batch / max(t_gen, t_train)
-
-            t0 = time.perf_counter()
-            for _ in range(args.steps):
-                train(generate())
-                version += 1
-                updater.update(trainer.hf_tensors(), weight_version=str(version))
-            sync_rate = args.steps * batch / (time.perf_counter() - t0)
+            rounds = []
+            for _ in range(args.repeats):
+                rounds.append(one_round(generate, train, updater, client, sync_pool, prompts))
+                print(f"round {len(rounds)}: {json.dumps(rounds[-1])}", flush=True)
             sync_pool.close()
-
-            rates = {}
-            for lag in (1, 4, 8):
-                pool = AsyncRolloutPool(
-                    [client],
-                    tokenizer,
-                    math_reward,
-                    prompts,
-                    AsyncPoolConfig(
-                        mode="fixed_lag",
-                        lag=lag,
-                        prompts_per_batch=args.prompts,
-                        group_size=args.group_size,
-                    ),
-                    sampling,
-                    routing=routing,
-                )
-                # Batch indices count from the pool's own version 0.
-                updater.update(trainer.hf_tensors(), weight_version="0")
-                pool.start()
-                # The first `lag` steps fill the pipeline and are not timed.
-                for step in range(lag + args.steps):
-                    if step == lag:
-                        t0 = time.perf_counter()
-                    train(pool.get_batch(step))
-                    pool.wait_before_update(step + 1)
-                    updater.update(trainer.hf_tensors(), weight_version=str(step + 1))
-                    pool.set_version(step + 1)
-                rates[lag] = args.steps * batch / (time.perf_counter() - t0)
-                pool.stop()
     result = {
         "batch_samples": batch,
-        "generate_s": t_gen,
-        "train_and_sync_s": t_train,
-        "bound_samples_per_s": bound,
-        "sync_samples_per_s": sync_rate,
-        **{f"lag{n}_samples_per_s": r for n, r in rates.items()},
-        "fraction_of_bound": min(rates.values()) / bound,
+        "repeats": args.repeats,
+        # each figure: the median over the rounds (each round's bound and throughputs are
+        # measured back to back, so a round compares like with like on a loaded machine)
+        **{k: statistics.median(r[k] for r in rounds) for k in rounds[0]},
+        "fraction_of_bound_rounds": [r["fraction_of_bound"] for r in rounds],
+        "load_avg": [round(x, 2) for x in os.getloadavg()],
     }
     for key, value in result.items():
         print(f"{key:>24}: {value:.3f}" if isinstance(value, float) else f"{key:>24}: {value}")

@@ -21,7 +21,10 @@ Variants, each alone and loaded:
   order, so it is not the default): ``configure_threads`` with ``OMP_NUM_THREADS=1``.
 
 ``contention_slowdown`` = steps/s alone / steps/s loaded, with the policy (goal <= 3.0);
-``contention_slowdown_default`` the same without it. ``spin_cpu_per_wall`` (per variant, alone):
+``contention_slowdown_default`` the same without it. Robust to the machine's other jobs: each
+variant runs ``--repeats`` (default 3) alone/loaded pairs, the two runs of a pair back to back
+(round-robin over the variants), and each figure is the median pair's ratio (every pair's in
+``slowdown_per_pair``). ``spin_cpu_per_wall`` (per variant, alone):
 process CPU seconds per wall second over a loop of one 2-thread parallel op followed by 2 ms
 of sleep: about 1 when idle workers sleep, up to 2+ when they spin (it shows whether the wait
 policy takes effect in this build). The machine's load average is printed with the result:
@@ -151,7 +154,17 @@ def measure(args, variant: str, loaded: bool) -> dict:
     env = {
         k: v
         for k, v in os.environ.items()
-        if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "KMP_BLOCKTIME", "MEGATRON_SAT_THREADS")
+        # every input of platform.threads' decision: each variant sets its own
+        if k
+        not in (
+            "OMP_NUM_THREADS",
+            "OMP_WAIT_POLICY",
+            "KMP_BLOCKTIME",
+            "MEGATRON_SAT_THREADS",
+            "MEGATRON_SAT_THREADS_CHOSEN",
+            "MEGATRON_SAT_LOCAL_PROCESSES",
+            "LOCAL_WORLD_SIZE",
+        )
     }
     env.update(spec["env"], PYTHONPATH=str(ROOT))
     load: list[subprocess.Popen] = []
@@ -182,6 +195,12 @@ def measure(args, variant: str, loaded: bool) -> dict:
     return out
 
 
+def _median_pair(pairs: list[dict]) -> dict:
+    """The pair of the median slowdown (the lower middle one of an even count)."""
+    ranked = sorted(pairs, key=lambda p: p["slowdown"])
+    return ranked[(len(ranked) - 1) // 2]
+
+
 def main() -> None:
     """Run the bench; see the module docstring."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -192,6 +211,7 @@ def main() -> None:
     parser.add_argument("--load-procs", type=int, default=2)
     parser.add_argument("--load-timeout", type=float, default=600.0, help="bound of every run")
     parser.add_argument("--variants", default="default,policy,policy_1thread")
+    parser.add_argument("--repeats", type=int, default=3, help="alone/loaded pairs per variant")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--policy", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--spin-probe", action="store_true", help=argparse.SUPPRESS)
@@ -205,22 +225,25 @@ def main() -> None:
         worker(args)
         return
     load_before = os.getloadavg()
-    runs: dict[str, dict] = {}
-    for variant in args.variants.split(","):
-        runs[variant] = {
-            "alone": measure(args, variant, loaded=False),
-            "loaded": measure(args, variant, loaded=True),
-        }
+    pairs: dict[str, list[dict]] = {v: [] for v in args.variants.split(",")}
+    for _ in range(args.repeats):
+        for variant, done in pairs.items():
+            # alone and loaded back to back: the other jobs' load is about the same for both
+            pair = {"alone": measure(args, variant, loaded=False)}
+            pair["loaded"] = measure(args, variant, loaded=True)
+            pair["slowdown"] = pair["alone"]["steps_per_s"] / pair["loaded"]["steps_per_s"]
+            done.append(pair)
     load_after = os.getloadavg()
+    runs = {v: _median_pair(done) for v, done in pairs.items()}
     result: dict = {}
     for variant, r in runs.items():
         suffix = "" if variant == "policy" else f"_{variant}"
-        result[f"contention_slowdown{suffix}"] = round(
-            r["alone"]["steps_per_s"] / r["loaded"]["steps_per_s"], 2
-        )
+        result[f"contention_slowdown{suffix}"] = round(r["slowdown"], 2)
     result["goal_contention_slowdown"] = 3.0
+    result["repeats"] = args.repeats
     for variant, r in runs.items():
         result[variant] = {
+            "slowdown_per_pair": [round(p["slowdown"], 2) for p in pairs[variant]],
             "alone_steps_per_s": round(r["alone"]["steps_per_s"], 3),
             "loaded_steps_per_s": round(r["loaded"]["steps_per_s"], 3),
             "torch_threads": r["alone"]["torch_threads"],

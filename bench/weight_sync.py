@@ -24,9 +24,10 @@ The two protocols run in alternating order. Per round: ``ratio`` = raw / ours (s
 inverted: throughputs), ``ratio_ceiling`` = raw / (raw + 2 copies), what a sync with one
 copy per side can reach when nothing overlaps,
 ``ratio_vs_ceiling`` = ratio / ratio_ceiling, ``vs_per_tensor`` = ours' throughput over the
-per-tensor protocol's. The headline figures use each measurement's best time over the rounds
-(the machine's capability; on a loaded machine one slow round says little); their spread over
-the rounds (min, median, max of the per-round values) is in ``rounds``. The last line is JSON.
+per-tensor protocol's. The headline figures are the medians of the per-round values (each
+round's four measurements are taken back to back, so a round compares like with like on a
+loaded machine); their spread (min, median, max) is in ``rounds``, and the figures of each
+measurement's best time over the rounds in ``best``. The last line is JSON.
 On a CPU a memcpy runs at only a few times the speed of a loopback gloo broadcast, so the
 ceiling is far below 1; on GPUs HBM copies are one to two orders of magnitude faster than the
 NCCL transfer and it is close to 1.
@@ -188,6 +189,7 @@ def main() -> None:
 
     best = {k: min(v) for k, v in times.items()}
     per_round = [figures({k: v[i] for k, v in times.items()}) for i in range(args.rounds)]
+    median = {k: statistics.median(r[k] for r in per_round) for k in per_round[0]}
     result = {
         "bytes": nbytes,
         "num_tensors": len(tensors),
@@ -195,12 +197,15 @@ def main() -> None:
         "bucket_bytes": bucket_bytes,
         "unpacked_from_bytes": unpacked_from,
         "rounds_run": args.rounds,
-        **{f"{k}_bytes_per_s": nbytes / v for k, v in best.items()},
-        **figures(best),
+        **{f"{k}_bytes_per_s": nbytes / statistics.median(v) for k, v in times.items()},
+        **median,
         "rounds": {k: _spread([r[k] for r in per_round]) for k in per_round[0]},
+        "best": figures(best),
+        "load_avg": [round(x, 2) for x in os.getloadavg()],
     }
     print(
-        ", ".join(f"{k} {nbytes / v / 1e9:.2f} GB/s" for k, v in best.items())
+        "medians: "
+        + ", ".join(f"{k} {nbytes / statistics.median(v) / 1e9:.2f} GB/s" for k, v in times.items())
         + f"; ratio_vs_ceiling {result['ratio_vs_ceiling']:.2f}"
         + f", vs_per_tensor {result['vs_per_tensor']:.2f}"
     )

@@ -298,7 +298,10 @@ def main(argv: list[str] | None = None) -> int:
     sw.add_argument("--output-dir", help="cells' parent directory (default: the grid's)")
     sw.add_argument("--cell", type=int, nargs="*", default=[], help="only these cell indices")
     sw.add_argument(
-        "--jobs", type=int, default=1, help="cells at once (CPU: OMP_NUM_THREADS = cores / jobs)"
+        "--jobs",
+        type=int,
+        default=1,
+        help="cells at once (each cell's processes get 1/jobs of the cores' threads)",
     )
     sw.add_argument("--dry-run", action="store_true", help="list the cells and their state")
     sw.add_argument("--slurm", help="write an sbatch job array (one task per cell) here")

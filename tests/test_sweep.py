@@ -171,6 +171,26 @@ def test_jobs_run_cells_at_once_and_keep_the_order(tmp_path, tiny_checkpoint):
 
     result = run_sweep(grid, runner=runner, log=lambda line: None, jobs=2)
     assert result == {"ran": [1], "skipped": [], "failed": [0]}
+
+
+def test_default_runner_gives_each_cell_its_share_of_the_cores(
+    tmp_path, tiny_checkpoint, monkeypatch
+):
+    import types
+
+    from megatron_sat.experiments import sweep
+
+    seen = []
+
+    def run(cmd, **kw):
+        seen.append(kw["env"])
+        return types.SimpleNamespace(returncode=1)
+
+    monkeypatch.setattr(sweep.subprocess, "run", run)
+    monkeypatch.delenv("MEGATRON_SAT_LOCAL_PROCESSES", raising=False)
+    grid = load_grid(_grid(tmp_path, tiny_checkpoint))
+    run_sweep(grid, log=lambda line: None, jobs=2)
+    assert [env["MEGATRON_SAT_LOCAL_PROCESSES"] for env in seen] == ["2", "2"]
     with pytest.raises(ValueError, match="jobs must be an integer >= 1, got 0"):
         run_sweep(grid, jobs=0)
 

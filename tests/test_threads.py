@@ -188,3 +188,49 @@ def test_empty_omp_num_threads_is_unset():
     decides, and every CLI command keeps working (it refused to start, found by review)."""
     policy = decide_threads(environ={"OMP_NUM_THREADS": " "}, affinity=range(4))
     assert (policy.num_threads, policy.source) == (4, "affinity")
+
+
+@pytest.mark.parametrize(
+    "env,procs,expected",
+    [
+        ({"MEGATRON_SAT_LOCAL_PROCESSES": "3"}, 1, 5),  # a sweep's --jobs 3 on 16 cores
+        ({"LOCAL_WORLD_SIZE": "4"}, 1, 4),  # torchrun's 4 ranks of this node
+        ({"MEGATRON_SAT_LOCAL_PROCESSES": "2", "LOCAL_WORLD_SIZE": "4"}, 1, 2),
+        ({"MEGATRON_SAT_LOCAL_PROCESSES": "2"}, 2, 4),  # times the caller's own count
+        ({"MEGATRON_SAT_LOCAL_PROCESSES": "32"}, 1, 1),  # at least one
+        ({"MEGATRON_SAT_LOCAL_PROCESSES": ""}, 1, 16),  # empty: unset
+    ],
+)
+def test_siblings_from_the_environment_share_the_cores(env, procs, expected):
+    policy = decide_threads(num_local_processes=procs, environ=env, affinity=range(16))
+    assert (policy.num_threads, policy.source) == (expected, "affinity")
+
+
+def test_siblings_do_not_override_explicit_counts():
+    env = {"MEGATRON_SAT_LOCAL_PROCESSES": "4", "MEGATRON_SAT_THREADS": "3"}
+    assert decide_threads(environ=env, affinity=range(16)).num_threads == 3
+
+
+@pytest.mark.parametrize("name", ["MEGATRON_SAT_LOCAL_PROCESSES", "LOCAL_WORLD_SIZE"])
+def test_bad_sibling_counts_are_named(name):
+    with pytest.raises(ValueError) as info:
+        decide_threads(environ={name: "0"}, affinity=range(2))
+    assert str(info.value) == f"{name} must be a positive integer, got '0'"
+
+
+def test_child_env_multiplies_the_inherited_share():
+    from megatron_sat.platform.threads import child_env
+
+    assert child_env(3, environ={}) == {"MEGATRON_SAT_LOCAL_PROCESSES": "3"}
+    # a sweep cell (share 3) that starts 2 embedded servers: each server is 1 of 6
+    assert child_env(2, environ={"MEGATRON_SAT_LOCAL_PROCESSES": "3"}) == {
+        "MEGATRON_SAT_LOCAL_PROCESSES": "6"
+    }
+    with pytest.raises(ValueError, match="num_siblings must be a positive integer, got 0"):
+        child_env(0, environ={})
+
+
+def test_fresh_child_process_takes_its_share():
+    got = _probe({"MEGATRON_SAT_LOCAL_PROCESSES": "2", "LOCAL_WORLD_SIZE": "1"})
+    cores = len(os.sched_getaffinity(0))
+    assert got["chosen"] == got["torch"] == max(1, cores // 2) and got["source"] == "affinity"

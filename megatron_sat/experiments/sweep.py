@@ -29,6 +29,7 @@ figures; the statistics per row and lag are described in ``CELL_STATS`` and ``CO
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import shlex
@@ -42,6 +43,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
+
+from megatron_sat.platform.threads import child_env
 
 # A run collapsed when its final held-out accuracy lost more than this share of its best.
 COLLAPSE_DROP = 0.2
@@ -214,15 +217,19 @@ def cell_command(grid: SweepGrid, cell: SweepCell) -> list[str]:
     return cmd
 
 
-def _subprocess_runner(cmd: list[str], log_path: Path) -> int:
+def _subprocess_runner(cmd: list[str], log_path: Path, env: dict[str, str] | None = None) -> int:
+    """Run ``cmd`` with this environment plus ``env``, its output appended to ``log_path``."""
+    full_env = None if env is None else {**os.environ, **env}
     with log_path.open("a") as log:
-        return subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, check=False).returncode
+        return subprocess.run(
+            cmd, stdout=log, stderr=subprocess.STDOUT, check=False, env=full_env
+        ).returncode
 
 
 def run_sweep(
     grid: SweepGrid,
     cells: Sequence[int] | None = None,
-    runner: Callable[[list[str], Path], int] = _subprocess_runner,
+    runner: Callable[[list[str], Path], int] | None = None,
     log: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
     jobs: int = 1,
 ) -> dict[str, list[int]]:
@@ -231,14 +238,16 @@ def run_sweep(
     An unfinished cell without a run checkpoint is removed and started again (its partial
     metrics would otherwise be appended to); one with a checkpoint resumes from it. A cell that
     fails is reported and the sweep goes on with the next one. Cells are independent processes
-    with their own seeds, so ``jobs`` changes the wall time, not a cell's numbers (on CPU give
-    each cell ``OMP_NUM_THREADS`` = cores / jobs: the thread count does change them).
+    with their own seeds. Each cell's processes take 1 / ``jobs`` of the cores
+    (``platform.threads.child_env``: ``MEGATRON_SAT_LOCAL_PROCESSES``), so on CPU ``jobs``
+    changes the cells' thread counts, which change float reduction orders: set
+    ``OMP_NUM_THREADS`` (or ``MEGATRON_SAT_THREADS``) to keep one count across ``jobs``.
 
     Args:
         grid: from ``load_grid``.
         cells: indices of the cells to consider (default all), e.g. one SLURM array task's.
-        runner: ``(command, log_path) -> exit status``; the default runs a subprocess whose
-            output goes to ``<run_dir>.log``.
+        runner: ``(command, log_path) -> exit status``; the default (None) runs a
+            subprocess whose output goes to ``<run_dir>.log``, with its share of the cores.
         log: progress lines.
         jobs: how many cells run at once (threads, each waiting on its cell's process).
 
@@ -254,6 +263,8 @@ def run_sweep(
         raise ValueError(f"cell indices {bad} outside the grid's {len(grid.cells)} cells")
     if type(jobs) is not int or jobs < 1:
         raise ValueError(f"jobs must be an integer >= 1, got {jobs!r}")
+    if runner is None:
+        runner = functools.partial(_subprocess_runner, env=child_env(jobs))
 
     def run_one(i: int) -> str:
         cell = grid.cells[i]

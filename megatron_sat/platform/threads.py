@@ -34,7 +34,10 @@ Precedence of the thread count, highest first:
    main job's and the tests' float reductions keep their order: their numbers are unchanged);
 2. ``MEGATRON_SAT_THREADS`` (the user's override of the project's own choice);
 3. the caller's ``threads`` argument (a process that knows it needs few, e.g. a reward worker);
-4. affinity // ``num_local_processes``.
+4. affinity // (local processes): the caller's ``num_local_processes``, times
+   ``MEGATRON_SAT_LOCAL_PROCESSES`` (set by a parent that runs several such processes at once:
+   ``megatron-sat sweep --jobs N`` sets N for its cells, see :func:`child_env`), times
+   torchrun's ``LOCAL_WORLD_SIZE`` (the trainer ranks of this node) where it is set.
 ``OMP_NUM_THREADS`` written by this module for its children is marked
 (``MEGATRON_SAT_THREADS_CHOSEN``), so a child decides afresh rather than reading its parent's
 choice as the user's. ``OMP_WAIT_POLICY`` and ``KMP_BLOCKTIME`` set by the user are kept.
@@ -50,6 +53,7 @@ from dataclasses import dataclass, field
 
 THREADS_ENV = "MEGATRON_SAT_THREADS"
 CHOSEN_ENV = "MEGATRON_SAT_THREADS_CHOSEN"  # the OMP_NUM_THREADS this module wrote
+LOCAL_PROCESSES_ENV = "MEGATRON_SAT_LOCAL_PROCESSES"  # siblings sharing the cores (a parent's)
 WAIT_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "KMP_BLOCKTIME": "0"}
 
 
@@ -95,7 +99,8 @@ def decide_threads(
 
     Args:
         num_local_processes: processes of this job that share the cores of ``affinity`` and
-            compute at the same time (e.g. the trainer ranks of one node), >= 1.
+            compute at the same time, >= 1; multiplied by ``MEGATRON_SAT_LOCAL_PROCESSES``
+            and torchrun's ``LOCAL_WORLD_SIZE`` from ``environ`` where set.
         threads: the caller's own count, used when neither ``OMP_NUM_THREADS`` (user-set) nor
             ``MEGATRON_SAT_THREADS`` is in ``environ``.
         environ: the environment to read (default ``os.environ``).
@@ -106,14 +111,17 @@ def decide_threads(
 
     Raises:
         ValueError: for ``num_local_processes`` or ``threads`` < 1, an empty affinity, or an
-            ``OMP_NUM_THREADS`` / ``MEGATRON_SAT_THREADS`` that is not a positive integer (the
-            variable named).
+            ``OMP_NUM_THREADS`` / ``MEGATRON_SAT_THREADS`` / ``MEGATRON_SAT_LOCAL_PROCESSES``
+            / ``LOCAL_WORLD_SIZE`` that is not a positive integer (the variable named).
     """
     env = os.environ if environ is None else environ
     cores = len(set(os.sched_getaffinity(0) if affinity is None else affinity))
     if cores < 1:
         raise ValueError("the CPU affinity of this process is empty")
-    _positive_int(num_local_processes, "num_local_processes")
+    sharing = _positive_int(num_local_processes, "num_local_processes")
+    for name in (LOCAL_PROCESSES_ENV, "LOCAL_WORLD_SIZE"):
+        if env.get(name, "").strip():
+            sharing *= _positive_int(env[name], name)
     user_omp = env.get("OMP_NUM_THREADS")
     if user_omp is not None and not user_omp.strip():
         user_omp = None  # set but empty, as shells write "unset": OpenMP ignores it too
@@ -127,7 +135,7 @@ def decide_threads(
     elif threads is not None:
         num, source = _positive_int(threads, "threads"), "argument"
     else:
-        num, source = max(1, cores // num_local_processes), "affinity"
+        num, source = max(1, cores // sharing), "affinity"
     out = {k: v for k, v in WAIT_ENV.items() if k not in env}
     if source != "OMP_NUM_THREADS":
         out.update({"OMP_NUM_THREADS": str(num), CHOSEN_ENV: str(num)})
@@ -184,3 +192,23 @@ def configure_threads(
             stacklevel=2,
         )
     return policy
+
+
+def child_env(num_siblings: int, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Environment entries for a child process that runs beside ``num_siblings`` - 1 others
+    like it at once (e.g. the cells of ``megatron-sat sweep --jobs``), so that its
+    :func:`configure_threads` takes its share of the cores: ``MEGATRON_SAT_LOCAL_PROCESSES``
+    = this process's own share times ``num_siblings``.
+
+    Args:
+        num_siblings: processes started to compute at the same time, >= 1.
+        environ: this process's environment (default ``os.environ``).
+
+    Raises:
+        ValueError: on ``num_siblings`` < 1 or a malformed inherited value (named).
+    """
+    env = os.environ if environ is None else environ
+    share = _positive_int(num_siblings, "num_siblings")
+    if env.get(LOCAL_PROCESSES_ENV, "").strip():
+        share *= _positive_int(env[LOCAL_PROCESSES_ENV], LOCAL_PROCESSES_ENV)
+    return {LOCAL_PROCESSES_ENV: str(share)}

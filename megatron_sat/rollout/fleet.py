@@ -35,6 +35,7 @@ from typing import Protocol
 import httpx
 import torch
 
+from megatron_sat.platform.threads import child_env
 from megatron_sat.rollout.auth import ServerKeys
 from megatron_sat.rollout.client import SGLangClient
 from megatron_sat.rollout.embedded.launch import EmbeddedServer
@@ -183,7 +184,9 @@ class RolloutFleet:
         servers: list[EmbeddedServer] = []
         try:
             for i in range(num_servers):
-                options = server_options(i) if server_options else {}
+                options = dict(server_options(i)) if server_options else {}
+                # The servers generate at once: each takes its share of the cores' threads.
+                options["env"] = {**child_env(num_servers), **options.get("env", {})}
                 servers.append(EmbeddedServer(model_path, **options).__enter__())
         except BaseException as e:
             for server in reversed(servers):

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 
 from megatron_sat.config import RunConfig
 from megatron_sat.platform.device import get_device, weight_sync_backend
+from megatron_sat.platform.threads import child_env
 from megatron_sat.rollout.auth import ServerKeys, load_server_keys
 from megatron_sat.rollout.client import SGLangClient
 from megatron_sat.rollout.embedded.launch import EmbeddedServer
@@ -42,6 +43,8 @@ def rollout_clients(cfg: RunConfig) -> Iterator[list[SGLangClient]]:
                     dtype=cfg.rollout.dtype,
                     enable_return_routed_experts=True,
                     max_running_requests=cfg.rollout.prompts_per_step * cfg.rollout.group_size,
+                    # the servers generate at once: each takes its share of the cores' threads
+                    env=child_env(cfg.rollout.num_embedded_servers),
                 )
             )
             for i in range(cfg.rollout.num_embedded_servers)

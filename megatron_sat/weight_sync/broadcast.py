@@ -260,6 +260,11 @@ class WeightUpdater(BaseWeightUpdater):
             broadcast_error = e
         failures = failure_lines(self.clients, futures)
         num_loaded = len(self.clients) - len(failures)
+        if broadcast_error is not None and bucket.flat is None:
+            # A server may receive per-tensor requests straight into its parameters (the
+            # embedded one does): a broken broadcast can leave part of the bucket written, so
+            # the servers count as changed and stay paused until a retry.
+            num_loaded = len(self.clients)
         if broadcast_error is not None:
             failures.append(
                 f"  rank 0 broadcast failed ({broadcast_error!r}); the group may be unusable: "

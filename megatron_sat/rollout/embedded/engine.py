@@ -32,6 +32,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, DynamicCache
 
+from megatron_sat.platform.host_copy import copy_into
 from megatron_sat.rollout.client import SamplingParams
 
 # On-disk per-expert names; transformers 5 fuses them in memory as experts.gate_up_proj
@@ -266,9 +267,10 @@ class GenerationEngine:
 
     @torch.no_grad()
     def load_weights(self, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
-        """Copy tensors into the live model by on-disk HF name (validated by the caller)."""
+        """Copy tensors into the live model by on-disk HF name (validated by the caller); a
+        float tensor of another precision is cast (as SGLang's loaders do)."""
         for name, tensor in named_tensors:
-            self.weight_targets[name].copy_(tensor)
+            copy_into(self.weight_targets[name], tensor)
 
 
 def _gumbel(seed: int, position: int, vocab: int) -> torch.Tensor:

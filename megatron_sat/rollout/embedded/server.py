@@ -63,7 +63,11 @@ sender's broadcasts complete and the group stays in step for the next request --
 HTTP 400 ``{"success": false, "message": ...}`` naming each bad parameter, with no weight
 modified and ``weight_version`` unchanged. (3) Otherwise it receives all tensors of the request,
 then copies them into the model (a request is applied whole or not at all) and sets
-``weight_version`` if the request carries one.
+``weight_version`` if the request carries one. Exception, a deliberate difference: a per-tensor
+request (``load_format`` null) without mismatches is received straight into the parameters
+(``receive_update``), so a broadcast that breaks half way (the sender died or timed out: the
+group is unusable then anyway) may leave part of that request's tensors written; the answer
+says so, and ``weight_version`` is unchanged.
 """
 
 from __future__ import annotations
@@ -516,22 +520,29 @@ class ServerState:
     def receive_update(
         self, body: dict[str, Any], specs, mismatches: list[str]
     ) -> tuple[bool, str]:
-        """Receive every declared tensor (src rank 0), then load them unless any mismatched."""
+        """Receive every declared tensor (src rank 0), then load them unless any mismatched.
+
+        Per-tensor requests (``load_format`` null) of a request without mismatches are
+        received straight into the parameters they load where dtype and shape match and the
+        parameter is contiguous (nothing left to copy); every other tensor lands in the reused
+        receive buffer and is copied in after the whole request arrived.
+        """
         group = self.groups[body.get("group_name", "weight_update_group")]
         with self.scheduler.model_lock:
             try:
                 if body.get("load_format") == "flattened_bucket":
-                    buffers = self._receive_flattened(group, specs)
+                    received = self._receive_flattened(group, specs)
                 else:
-                    buffers = [torch.empty(shape, dtype=dtype) for _, dtype, shape in specs]
-                    works = [group.broadcast(buf, src=0, async_op=True) for buf in buffers]
-                    for work in works:
-                        work.wait()
-            except RuntimeError as e:  # timeout or a sender that went away; nothing loaded
-                return False, f"broadcast failed, no weight loaded (group may be unusable): {e!r}"
+                    received = self._receive_per_tensor(group, specs, in_place=not mismatches)
+            except RuntimeError as e:  # timeout or a sender that went away
+                if body.get("load_format") == "flattened_bucket" or mismatches:
+                    loaded = "no weight loaded"
+                else:
+                    loaded = "weights may be partly overwritten, weight_version unchanged"
+                return False, f"broadcast failed, {loaded} (group may be unusable): {e!r}"
             if mismatches:
                 return False, f"rejected {len(mismatches)} parameter(s): " + "; ".join(mismatches)
-            self.engine.load_weights([(s[0], buf) for s, buf in zip(specs, buffers, strict=True)])
+            self.engine.load_weights(received)
             # SGLang records the version before its flush (weight_updater.py:
             # record_weight_version_after_update, then flush_cache_after_weight_update)
             if body.get("weight_version") is not None:
@@ -540,16 +551,60 @@ class ServerState:
                 return False, FLUSH_AFTER_UPDATE_FAILED  # SGLang: loaded, version changed
         return True, "Succeeded to update parameter online."
 
-    def _receive_flattened(self, group, specs) -> list[torch.Tensor]:
+    def _receive_buffer_for(self, num_bytes: int) -> torch.Tensor:
+        """The first ``num_bytes`` of the reused receive buffer (grown on demand)."""
+        if self._receive_buffer.numel() < num_bytes:
+            self._receive_buffer = torch.empty(num_bytes, dtype=torch.uint8)
+        return self._receive_buffer[:num_bytes]
+
+    def _receive_flattened(self, group, specs) -> list[tuple[str, torch.Tensor]]:
         """SGLang's ``flattened_bucket``: one uint8 broadcast holding every tensor's bytes in
         order (sglang ``srt/weight_sync/tensor_bucket.py``), received into the reused buffer;
-        returns one tensor per spec (``unflatten``), valid until the next update."""
-        total = sum(_nbytes(dtype, shape) for _, dtype, shape in specs)
-        if self._receive_buffer.numel() < total:
-            self._receive_buffer = torch.empty(total, dtype=torch.uint8)
-        flat = self._receive_buffer[:total]
+        returns (name, tensor) per spec (``unflatten``), valid until the next update."""
+        flat = self._receive_buffer_for(sum(_nbytes(dtype, shape) for _, dtype, shape in specs))
         group.broadcast(flat, src=0)
-        return unflatten(flat, specs)
+        return [(s[0], t) for s, t in zip(specs, unflatten(flat, specs), strict=True)]
+
+    def _receive_per_tensor(
+        self, group, specs, *, in_place: bool
+    ) -> list[tuple[str, torch.Tensor]]:
+        """SGLang's per-tensor protocol (``load_format`` null): one broadcast per spec, all
+        enqueued then awaited, as the sender enqueues them. With ``in_place``, a tensor whose
+        parameter has its dtype and shape and is contiguous is received into the parameter
+        itself: on a CPU the copy from a scratch buffer costs about as much as the loopback
+        broadcast (SGLang receives into fresh buffers and loads them, on a GPU at HBM speed).
+        The others are received at 64-byte-aligned offsets of the reused receive buffer.
+
+        Returns:
+            (name, tensor) of the tensors still to be copied in (``load_weights``).
+        """
+        targets: list[torch.Tensor | None] = []
+        offsets, end = [], 0
+        for name, dtype, shape in specs:
+            target = self.engine.weight_targets.get(name) if in_place else None
+            if target is not None and _receivable_in_place(target, dtype, shape):
+                targets.append(target.detach())
+                offsets.append(-1)
+            else:
+                targets.append(None)
+                offsets.append(end)
+                end += -(-_nbytes(dtype, shape) // 64) * 64
+        scratch = self._receive_buffer_for(end)
+        to_load, buffers = [], []
+        for (name, dtype, shape), target, offset in zip(specs, targets, offsets, strict=True):
+            if target is None:
+                target = scratch[offset : offset + _nbytes(dtype, shape)].view(dtype).view(shape)
+                to_load.append((name, target))
+            buffers.append(target)
+        works = [group.broadcast(buf, src=0, async_op=True) for buf in buffers]
+        for work in works:
+            work.wait()
+        return to_load
+
+
+def _receivable_in_place(target: torch.Tensor, dtype: torch.dtype, shape) -> bool:
+    """Whether a broadcast of ``dtype`` ``shape`` can land in ``target`` as it is."""
+    return target.dtype == dtype and tuple(target.shape) == tuple(shape) and target.is_contiguous()
 
 
 def _loadable(sent: torch.dtype, target: torch.dtype) -> bool:
