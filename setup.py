@@ -40,6 +40,8 @@ EXTRAS_REQUIRE = {
     "test": ["pytest>=8.3", "ruff>=0.17,<0.18"],
     # The trainer's GPU extra only: transformer-engine into the existing CUDA torch.
     "gpu": ["transformer-engine[pytorch]>=2.6"],
+    # Experiment tracking beside TensorBoard (logging.wandb_project; training/trackers.py).
+    "wandb": ["wandb>=0.19"],
 }
 
 setup(

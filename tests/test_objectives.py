@@ -297,7 +297,7 @@ def test_gspo_by_hand(name):
     #        -> S = -0.9048374 (inside [0.8, 1.2])
     # token-mean: -(3 * 1.2 - 2 * 0.9048374) / 5 = -0.3580650
     lp, adv, mask = gspo_batch()
-    loss, _, m = run(name, lp, adv, mask)
+    loss, _, m = run(name, lp, adv, mask, loss_agg_mode="token-mean")
     assert loss.item() == pytest.approx(-0.35806503278561613, abs=1e-12)
     assert m["clipfrac_high"].item() == pytest.approx(3 / 5)
     # seq-mean-token-mean: -(1.2 - 0.9048374) / 2 = -0.1475813;
@@ -305,6 +305,9 @@ def test_gspo_by_hand(name):
     lp, adv, mask = gspo_batch()
     loss, grad, _ = run(name, lp, adv, mask, loss_agg_mode="seq-mean-token-mean")
     assert loss.item() == pytest.approx(-0.14758129098202022, abs=1e-12)
+    # the GSPO paper's aggregation is the default for the name (objectives/paper_defaults.py)
+    default_loss, _, _ = run(name, *gspo_batch())
+    assert default_loss.item() == loss.item()
     g = 0.22620935450898988
     torch.testing.assert_close(
         grad, torch.tensor([[0, 0, 0], [g, g, 0]], dtype=F64), rtol=0, atol=1e-12

@@ -44,7 +44,7 @@ def test_kl_to_the_initial_policy(trainer, tiny_hf_config):
     samples = make_samples(trainer, tiny_hf_config["vocab_size"])
     attach_rollout_log_probs(trainer, samples)
     advantages = torch.linspace(-1.0, 1.0, len(samples))
-    objective = ObjectiveConfig(name="sat-gspo", kl_coef=0.5)
+    objective = ObjectiveConfig(name="sat-gspo", kl_coef=0.5, loss_agg_mode="token-mean")
     mbs = trainer.micro_batches(samples, advantages, with_routes=True)
 
     def log_probs(reference: bool) -> list[torch.Tensor]:

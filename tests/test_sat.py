@@ -344,7 +344,9 @@ def test_global_quantile_over_micro_batches_matches_full_batch(sat_name):
     # The DP recipe: |d| from every micro-batch -> one q -> global denominators; the sum of the
     # micro-batch losses equals the loss of the whole batch, and so do the gradients.
     lp, mu, adv, mask = random_batch(seed=21, scale=0.3)
-    config = ObjectiveConfig(name=sat_name, sat_alpha=0.5)
+    # token-mean: the split below passes the global token count (SAT-GSPO's own default,
+    # seq-mean-token-mean, would need the global sequence count)
+    config = ObjectiveConfig(name=sat_name, sat_alpha=0.5, loss_agg_mode="token-mean")
     chunks = [slice(0, 3), slice(3, 8)]
     abs_d = torch.cat([sat_abs_staleness(lp[c], mu[c], mask[c], config) for c in chunks])
     q = sat_reference_quantile(abs_d, 0.5)

@@ -7,6 +7,7 @@ from megatron_sat.config.launch import LaunchConfig
 from megatron_sat.config.parallel import ParallelConfig
 from megatron_sat.config.run import (
     DataConfig,
+    LoggingConfig,
     RolloutConfig,
     RunConfig,
     TrainConfig,
@@ -16,6 +17,7 @@ from megatron_sat.config.run import (
 __all__ = [
     "DataConfig",
     "LaunchConfig",
+    "LoggingConfig",
     "ParallelConfig",
     "RolloutConfig",
     "RunConfig",

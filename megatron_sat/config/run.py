@@ -322,6 +322,47 @@ class TrainConfig:
 
 
 @dataclass
+class LoggingConfig:
+    """Experiment tracking beside what every run writes (TensorBoard events, ``metrics.jsonl``
+    and ``summary.json`` in ``run_dir``).
+
+    Attributes:
+        wandb_project: Weights & Biases project; None (the default) sends nothing to W&B. Needs
+            the ``wandb`` extra (``pip install -e .[wandb]``). W&B's own environment applies:
+            ``WANDB_API_KEY`` (or ``wandb login``) online, ``WANDB_MODE=offline`` to write the
+            run under ``<run_dir>/wandb/`` for a later ``wandb sync``. Rank 0 logs the same
+            step metrics as ``metrics.jsonl`` (same names, the trainer step as W&B's step) and
+            the resolved config; a resumed run continues its W&B run (the id is kept in
+            ``<run_dir>/wandb_run_id``).
+        wandb_entity: W&B team or user (None: the API key's default entity).
+        wandb_run_name: the run's display name (None: the run folder's name).
+        wandb_group: W&B group, e.g. one per sweep or per method (None: none).
+        wandb_tags: W&B tags.
+    """
+
+    wandb_project: str | None = None
+    wandb_entity: str | None = None
+    wandb_run_name: str | None = None
+    wandb_group: str | None = None
+    wandb_tags: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        for name in ("wandb_project", "wandb_entity", "wandb_run_name", "wandb_group"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise ValueError(
+                    f"logging.{name} must be a non-empty string or null, got {value!r}"
+                )
+        if self.wandb_project is None and (
+            self.wandb_entity or self.wandb_run_name or self.wandb_group or self.wandb_tags
+        ):
+            raise ValueError(
+                "logging.wandb_entity/wandb_run_name/wandb_group/wandb_tags are set but "
+                "logging.wandb_project is null: set the project to log to W&B"
+            )
+
+
+@dataclass
 class RunConfig:
     """The whole RL run.
 
@@ -347,6 +388,7 @@ class RunConfig:
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def __post_init__(self) -> None:
         # An asynchronous run (samples up to n > 1 versions old) trains one optimizer step per

@@ -60,6 +60,7 @@ from megatron_sat.objectives.metrics import (
     masked_mean,
     mismatch_terms,
 )
+from megatron_sat.objectives.paper_defaults import departure, paper_default
 from megatron_sat.objectives.sat import SatRadii, sat_metrics, sat_radii
 
 # Reference-KL clamp of ALGORITHMS.md ("clamped to [-10, 10]").
@@ -76,11 +77,14 @@ class ObjectiveConfig:
     Attributes:
         name: Objective, a key of `OBJECTIVES`: "grpo" (alias "ppo"), "gspo", "gspo-token",
             "sat-grpo", "sat-gspo", "dppo-tv", "dppo-kl", "cispo", "m2po".
-        eps_low: Lower clip radius, in [0, 1] (ratio >= 1 - eps_low). 0.2 in the SAT paper,
-            3e-4 in the GSPO paper.
+        eps_low: Lower clip radius, in [0, 1] (ratio >= 1 - eps_low). None (the default): the
+            objective's paper value (`paper_defaults`): 1.0 (no lower bound) for CISPO, else
+            0.2 as in the SAT paper (the GSPO paper's own radii are 3e-4 / 4e-4).
         eps_high: Upper clip radius, >= 0 (ratio <= 1 + eps_high). 0.2 / 4e-4 as above.
         sat_alpha: Quantile level of SAT Eq. 14, in (0, 1).
-        loss_agg_mode: One of `LOSS_AGG_MODES`.
+        loss_agg_mode: One of `LOSS_AGG_MODES`. None (the default): the objective's paper
+            aggregation (`paper_defaults`): "seq-mean-token-mean" for GSPO, GSPO-token and
+            SAT-GSPO, "token-mean" for the others. A value departing from the paper warns.
         loss_agg_norm_constant: C of "seq-mean-token-sum-norm" (> 0); None = padded width T.
         dppo_threshold: DPPO delta, >= 0: probability units for "dppo-tv", nats for "dppo-kl".
         tis_cap: TIS cap C > 0; None disables TIS.
@@ -108,10 +112,10 @@ class ObjectiveConfig:
     """
 
     name: str = "sat-gspo"
-    eps_low: float = 0.2
+    eps_low: float | None = None
     eps_high: float = 0.2
     sat_alpha: float = 0.9
-    loss_agg_mode: str = "token-mean"
+    loss_agg_mode: str | None = None
     loss_agg_norm_constant: float | None = None
     dppo_threshold: float = 1e-3
     tis_cap: float | None = None
@@ -132,6 +136,11 @@ class ObjectiveConfig:
             return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
         check(self.name in OBJECTIVES, "name", f"one of {sorted(OBJECTIVES)}")
+        for unset in ("loss_agg_mode", "eps_low"):
+            if getattr(self, unset) is None:
+                setattr(self, unset, paper_default(self.name, unset))
+            elif (why := departure(self.name, unset, getattr(self, unset))) is not None:
+                warnings.warn(why, stacklevel=3)
         check(finite(self.eps_low) and 0 <= self.eps_low <= 1, "eps_low", "in [0, 1]")
         check(finite(self.eps_high) and self.eps_high >= 0, "eps_high", "finite and >= 0")
         check(finite(self.sat_alpha) and 0 < self.sat_alpha < 1, "sat_alpha", "in (0, 1)")

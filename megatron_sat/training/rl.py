@@ -76,6 +76,7 @@ from megatron_sat.training.stage_senders import (
     uses_stage_senders,
 )
 from megatron_sat.training.step import distributed_rl_step, dp_shares, routing_diagnostic_due
+from megatron_sat.training.trackers import make_trackers
 from megatron_sat.training.trainer import PolicyTrainer
 
 # Importable from here as before (tests, benches): they live in their own modules now.
@@ -305,6 +306,13 @@ def _finish_after_last_step(cfg: RunConfig, trainer: PolicyTrainer, state) -> di
     return summary
 
 
+def _trackers(cfg: RunConfig, resume_step: int | None) -> list:
+    """The ``logging`` section's trackers; a resumed run (a checkpoint step >= 0) continues its
+    W&B run."""
+    resuming = resume_step is not None and resume_step >= 0
+    return make_trackers(cfg.logging, Path(cfg.run_dir), cfg.to_dict(), resuming)
+
+
 def _lead(
     cfg: RunConfig,
     trainer: PolicyTrainer,
@@ -327,7 +335,7 @@ def _lead(
         resume_step = -1  # drop every line the killed run logged
     with (
         rollout_fleet(cfg) as fleet,
-        RunLogger(run_dir, resume_step) as logger,
+        RunLogger(run_dir, resume_step, _trackers(cfg, resume_step)) as logger,
         RewardWorkers() as rewards,  # scored concurrently, math-verify's timeouts on
     ):
         lead = _Lead(cfg, trainer, tokenizer, followers, fleet, logger, rewards, eval_records)

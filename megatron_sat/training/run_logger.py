@@ -1,4 +1,5 @@
-"""Per-run metric logging: TensorBoard events plus a line-per-step ``metrics.jsonl``.
+"""Per-run metric logging: TensorBoard events plus a line-per-step ``metrics.jsonl``, mirrored
+to the configured experiment trackers (``training.trackers``: W&B).
 
 ``metrics.jsonl`` is the file that scripts and tests read: one JSON object per `RunLogger.log`
 call, ``{"step": int, "<name>": float | null, ...}``, appended and flushed at once so that a
@@ -11,13 +12,15 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
 import torch
 from torch.utils.tensorboard import SummaryWriter
+
+from megatron_sat.training.trackers import Tracker
 
 
 def _to_float(name: str, value: float | torch.Tensor) -> float:
@@ -66,9 +69,14 @@ class RunLogger:
         resume_step: the step a resumed run continues from (its checkpoint's): the steps a
             crashed run logged after it are dropped from ``metrics.jsonl`` and purged from the
             TensorBoard events (``SummaryWriter(purge_step=...)``), since they are run again.
+        trackers: further sinks of every logged step (W&B), closed with the logger; they get
+            the float values as given (non-finite included).
     """
 
-    def __init__(self, run_dir: Path, resume_step: int | None = None) -> None:
+    def __init__(
+        self, run_dir: Path, resume_step: int | None = None, trackers: Sequence[Tracker] = ()
+    ) -> None:
+        self.trackers = list(trackers)
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.run_dir / "metrics.jsonl"
@@ -122,6 +130,8 @@ class RunLogger:
         # than write "NaN", which strict JSON readers reject.
         self._metrics_file.write(json.dumps(row, allow_nan=False) + "\n")
         self._metrics_file.flush()
+        for tracker in self.trackers:
+            tracker.log(step, values)
 
     def write_summary(self, summary: dict) -> Path:
         """Writes `summary` as pretty JSON to ``summary.json`` (replacing it atomically).
@@ -149,6 +159,8 @@ class RunLogger:
         self._writer.close()
         self._writer = None
         self._metrics_file.close()
+        for tracker in self.trackers:
+            tracker.close()
 
     def __enter__(self) -> Self:
         return self

@@ -1,0 +1,89 @@
+"""W&B tracking (``logging.wandb_project``): the offline run's own files hold every logged step
+metric and the resolved config; a resumed run continues the same W&B run; a missing ``wandb``
+or an incomplete section is refused before anything is logged."""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import pytest
+import wandb_records
+
+from megatron_sat.config import LoggingConfig, load_config
+from megatron_sat.training.run_logger import RunLogger
+from megatron_sat.training.trackers import RUN_ID_FILE, WandbTracker, make_trackers
+
+
+@pytest.fixture
+def offline(monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+
+
+def _run_file(run_dir, run_id, nth=0):
+    files = sorted((run_dir / "wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb"))
+    return files[nth]
+
+
+@pytest.mark.slow
+def test_offline_files_hold_the_step_metrics_and_config(tmp_path, offline):
+    cfg = load_config(
+        overrides=[
+            "logging.wandb_project=sat",
+            "logging.wandb_tags=[r3, lag8]",
+            f"run_dir={tmp_path}",
+        ]
+    )
+    trackers = make_trackers(cfg.logging, tmp_path, cfg.to_dict(), resuming=False)
+    with RunLogger(tmp_path, trackers=trackers) as logger:
+        logger.log(1, {"train/loss": 0.25, "eval/greedy_acc": 0.5})
+        logger.log(2, {"train/loss": float("nan"), "rollout/reward": 1})
+    run_id = (tmp_path / RUN_ID_FILE).read_text().strip()
+    path = _run_file(tmp_path, run_id)
+    rows = [
+        {k: v for k, v in r.items() if not k.startswith("_") or k == "_step"}
+        for r in wandb_records.history(path)
+    ]
+    assert rows[0] == {"_step": 1, "train/loss": 0.25, "eval/greedy_acc": 0.5}
+    assert rows[1]["_step"] == 2 and rows[1]["rollout/reward"] == 1.0
+    assert math.isnan(rows[1]["train/loss"])  # metrics.jsonl has null; W&B keeps the NaN
+    config = wandb_records.config(path)
+    assert config["objective"]["name"] == cfg.objective.name
+    assert config["logging"]["wandb_tags"] == ["r3", "lag8"]
+
+
+@pytest.mark.slow
+def test_resume_continues_the_same_run(tmp_path, offline):
+    cfg = LoggingConfig(wandb_project="sat")
+    with RunLogger(tmp_path, trackers=[WandbTracker(cfg, tmp_path, {}, resuming=False)]) as log:
+        log.log(1, {"a": 1.0})
+    first = (tmp_path / RUN_ID_FILE).read_text().strip()
+    with RunLogger(tmp_path, 1, [WandbTracker(cfg, tmp_path, {}, resuming=True)]) as log:
+        log.log(2, {"a": 2.0})
+    assert (tmp_path / RUN_ID_FILE).read_text().strip() == first
+    resumed = wandb_records.history(_run_file(tmp_path, first, nth=1))
+    assert [(r["_step"], r["a"]) for r in resumed] == [(2, 2.0)]
+    # a fresh run in the same folder is a new W&B run
+    WandbTracker(cfg, tmp_path, {}, resuming=False).close()
+    assert (tmp_path / RUN_ID_FILE).read_text().strip() != first
+
+
+def test_missing_wandb_is_named(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb -> ImportError
+    with pytest.raises(RuntimeError, match=r"pip install -e \.\[wandb\]"):
+        make_trackers(LoggingConfig(wandb_project="sat"), tmp_path, {}, resuming=False)
+    assert make_trackers(LoggingConfig(), tmp_path, {}, resuming=False) == []
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("logging.wandb_tags=[a]", "wandb_project is null"),
+        ("logging.wandb_project=''", "logging.wandb_project must be a non-empty string"),
+        ("logging.wandb_tags=a", "must be a list"),
+    ],
+)
+def test_bad_logging_sections_are_refused(override, message):
+    with pytest.raises(ValueError, match=message):
+        load_config(overrides=[override])
