@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from megatron_sat.platform import get_device, have_transformer_engine, transformer_device_fields
+from megatron_sat.platform.fusions import DeviceFusions, device_fusions
 
 # HF architectures name -> module of megatron_sat.models that derives its TransformerConfig.
 ARCHITECTURES: dict[str, str] = {
@@ -71,6 +71,8 @@ class ModelLayout:
             recompute; R3 replays the same routes in the recomputed forward,
             ``routing.replay``).
         recompute_num_layers: layers per recomputed chunk under ``full`` (uniform method).
+        fusions: the layer spec and fusions (``platform.fusions``); None: this process's,
+            ``device_fusions()`` (a test passes another machine's decision).
     """
 
     tensor_model_parallel_size: int = 1
@@ -82,6 +84,7 @@ class ModelLayout:
     moe_enable_routing_replay: bool = True
     recompute_granularity: str | None = None
     recompute_num_layers: int = 1
+    fusions: DeviceFusions | None = None
 
 
 _LAYOUT_FIELDS = frozenset(f.name for f in dataclasses.fields(ModelLayout))
@@ -191,8 +194,8 @@ def require(hf_config: Mapping[str, Any], key: str) -> Any:
 
 def common_transformer_kwargs(hf_config: Mapping[str, Any], layout: ModelLayout) -> dict[str, Any]:
     """``TransformerConfig`` fields shared by every family: sizes, norms, SwiGLU, the layout,
-    the device's settings (CPU initialisation and fusions:
-    ``platform.transformer_device_fields``), routers in float32, no aux loss, dropout from
+    the device's settings (CPU initialisation, layer spec and fusions:
+    ``platform.fusions.DeviceFusions``), routers in float32, no aux loss, dropout from
     config.json. ``pipeline_dtype`` is the parameter dtype when PP > 1.
 
     Raises:
@@ -223,7 +226,6 @@ def common_transformer_kwargs(hf_config: Mapping[str, Any], layout: ModelLayout)
         moe_aux_loss_coeff=0.0,
         moe_token_dispatcher_type=layout.moe_token_dispatcher_type,
         moe_enable_routing_replay=layout.moe_enable_routing_replay,
-        moe_grouped_gemm=False,
         params_dtype=layout.params_dtype,
         bf16=layout.params_dtype == torch.bfloat16,
         tensor_model_parallel_size=tp,
@@ -233,8 +235,9 @@ def common_transformer_kwargs(hf_config: Mapping[str, Any], layout: ModelLayout)
         # Router logits, scores and top-k in float32 whatever params_dtype is: bf16 router
         # logits tie and flip experts (the train-rollout mismatch R3 exists to remove).
         moe_router_dtype="fp32",
-        # CPU initialisation on the CPU (TP runs bit-identical to TP=1), fusions with CUDA.
-        **transformer_device_fields(get_device(), use_transformer_engine=have_transformer_engine()),
+        # CPU initialisation on the CPU (TP runs bit-identical to TP=1); the spec
+        # (transformer_impl) and each fusion by what imports (platform.fusions).
+        **(layout.fusions or device_fusions()).transformer_config_fields(),
     )
     if layout.pipeline_model_parallel_size > 1:
         kwargs["pipeline_dtype"] = layout.params_dtype
@@ -266,8 +269,10 @@ def build_generic_gpt_model(
 ):
     """A megatron-core ``GPTModel`` for any registered family on this rank.
 
-    The transformer-engine layer spec when TE is usable (CUDA + TE installed), the local spec
-    otherwise; ``spec_hook(block_spec, use_transformer_engine)`` may return an adjusted block
+    The transformer-engine layer spec when the config says so (``transformer_impl``, set by
+    ``platform.fusions``: CUDA and TE imports; with TE also grouped-GEMM experts,
+    ``TEGroupedMLP``, when ``moe_grouped_gemm``), the local spec otherwise;
+    ``spec_hook(block_spec, use_transformer_engine)`` may return an adjusted block
     spec (the family's extension point). RoPE's base comes from config.json
     (:func:`hf_rope_theta`; MLA reads ``config.rotary_base``).
     """
@@ -275,7 +280,7 @@ def build_generic_gpt_model(
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     if use_transformer_engine is None:
-        use_transformer_engine = have_transformer_engine()
+        use_transformer_engine = config.transformer_impl == "transformer_engine"
     spec = get_gpt_decoder_block_spec(
         config, use_transformer_engine=use_transformer_engine, normalization="RMSNorm"
     )
