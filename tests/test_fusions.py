@@ -239,3 +239,33 @@ def test_every_importable_combination_builds(te, apex):
     assert [r["grouped_gemm"] for r in results] == ["present", "absent", "broken"]
     for result in results:
         _assert_built(result, te=te == "present", apex=apex == "present")
+
+
+def test_tensor_parallel_on_cuda_without_te_is_refused_naming_it(stubs):
+    from megatron_sat.checkpoint.tiny_models import TINY_CONFIGS
+    from megatron_sat.models import transformer_config_from_hf
+
+    stubs(_states("absent", "present", "absent"))
+    decision = decide_fusions("cuda", probe_transformer_engine(), probe_apex_wgrad())
+    hf = dict(TINY_CONFIGS["Qwen3MoeForCausalLM"], architectures=["Qwen3MoeForCausalLM"])
+    with pytest.raises(ValueError, match=r"tensor_model_parallel_size=2 on CUDA needs") as err:
+        transformer_config_from_hf(hf, tensor_model_parallel_size=2, fusions=decision)
+    assert "transformer_engine[pytorch]" in str(err.value)
+    assert "No module named 'transformer_engine'" in str(err.value)
+
+
+def test_local_final_norm_is_torch_rms_even_when_apex_imports():
+    # megatron-core gives the local spec's final norm apex's FusedLayerNorm whenever apex
+    # imports, which refuses RMSNorm (found by the apex-present / TE-absent build above).
+    from megatron.core.fusions.fused_layer_norm import FusedLayerNorm
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    from megatron_sat.models.registry import torch_rms_final_norm
+
+    spec = torch_rms_final_norm(
+        TransformerBlockSubmodules(layer_specs=[], layer_norm=FusedLayerNorm)
+    )
+    assert spec.layer_norm is WrappedTorchNorm
+    kept = TransformerBlockSubmodules(layer_specs=[], layer_norm=WrappedTorchNorm)
+    assert torch_rms_final_norm(kept).layer_norm is WrappedTorchNorm

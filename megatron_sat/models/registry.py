@@ -158,6 +158,25 @@ def _tensor_cuda_is_identity_on_cpu():
         torch.Tensor.cuda = original  # type: ignore[method-assign]
 
 
+def torch_rms_final_norm(block_spec):
+    """The local block spec with its final norm made megatron-core's ``WrappedTorchNorm``
+    (torch's RMSNorm) where megatron-core put apex's ``FusedLayerNorm`` (returns the spec).
+
+    megatron-core 0.19.2's ``get_gpt_decoder_block_spec`` gives the local spec's final norm
+    ``gpt_layer_specs.LNImpl``, which is ``FusedLayerNorm`` whenever ``import apex`` succeeds,
+    and ``FusedLayerNorm`` asserts "(RMSNorm) is not supported in FusedLayerNorm"; the per-layer
+    norms are already torch's (``LocalSpecProvider.layer_norm(rms_norm=True)``). So a CUDA
+    machine with apex and without transformer-engine could not build any model here (every
+    family is RMSNorm). Without apex the final norm is ``WrappedTorchNorm`` already: unchanged.
+    """
+    from megatron.core.fusions.fused_layer_norm import FusedLayerNorm
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    if block_spec.layer_norm is FusedLayerNorm:
+        block_spec.layer_norm = WrappedTorchNorm
+    return block_spec
+
+
 def keep_router_fp32(model: torch.nn.Module) -> list[str]:
     """Make every MoE router's weight (and bias) and its ``expert_bias`` / token-count buffers
     float32 in place, whatever ``params_dtype`` the model was built with; returns the names of
@@ -199,8 +218,9 @@ def common_transformer_kwargs(hf_config: Mapping[str, Any], layout: ModelLayout)
     config.json. ``pipeline_dtype`` is the parameter dtype when PP > 1.
 
     Raises:
-        ValueError: for ``hidden_act`` other than ``silu``, or a vocabulary that does not split
-            evenly over the tensor-parallel ranks (megatron-core does not pad it here).
+        ValueError: for ``hidden_act`` other than ``silu``, a vocabulary that does not split
+            evenly over the tensor-parallel ranks (megatron-core does not pad it here), or
+            TP > 1 on CUDA without transformer-engine (naming the package).
     """
     tp = layout.tensor_model_parallel_size
     act = hf_config.get("hidden_act", "silu")
@@ -209,6 +229,17 @@ def common_transformer_kwargs(hf_config: Mapping[str, Any], layout: ModelLayout)
     vocab = int(require(hf_config, "vocab_size"))
     if vocab % tp:
         raise ValueError(f"vocab_size={vocab} is not divisible by tensor_model_parallel_size={tp}")
+    fusions = layout.fusions or device_fusions()
+    if tp > 1 and fusions.device_type == "cuda" and not fusions.transformer_engine:
+        # MoE needs sequence parallelism at TP > 1, and the local spec's norm
+        # (megatron-core's WrappedTorchNorm) asserts it off; on the CPU a shim lifts that
+        # (platform.device._patch_torch_norm_sequence_parallel), on CUDA TE's norms are the way.
+        raise ValueError(
+            f"tensor_model_parallel_size={tp} on CUDA needs transformer-engine (megatron-core's "
+            "local norm refuses sequence parallelism), but transformer_engine.pytorch does not "
+            f"import ({dict(fusions.off)['transformer_engine']}): install "
+            "transformer_engine[pytorch] as docs/gpu.md says, or use tensor_model_parallel_size=1"
+        )
     num_heads = int(require(hf_config, "num_attention_heads"))
     hidden = int(require(hf_config, "hidden_size"))
     kwargs: dict[str, Any] = dict(
@@ -237,7 +268,7 @@ def common_transformer_kwargs(hf_config: Mapping[str, Any], layout: ModelLayout)
         moe_router_dtype="fp32",
         # CPU initialisation on the CPU (TP runs bit-identical to TP=1); the spec
         # (transformer_impl) and each fusion by what imports (platform.fusions).
-        **(layout.fusions or device_fusions()).transformer_config_fields(),
+        **fusions.transformer_config_fields(),
     )
     if layout.pipeline_model_parallel_size > 1:
         kwargs["pipeline_dtype"] = layout.params_dtype
@@ -284,6 +315,8 @@ def build_generic_gpt_model(
     spec = get_gpt_decoder_block_spec(
         config, use_transformer_engine=use_transformer_engine, normalization="RMSNorm"
     )
+    if not use_transformer_engine:
+        spec = torch_rms_final_norm(spec)
     if spec_hook is not None:
         spec = spec_hook(spec, use_transformer_engine)
     return GPTModel(
