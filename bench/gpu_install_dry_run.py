@@ -65,8 +65,8 @@ def dry_run(pip: list[str], args: list[str]) -> dict:
         seconds = round(time.perf_counter() - start, 1)
         if proc.returncode != 0 or not report.exists():
             output = proc.stdout + proc.stderr
-            errors = [line.strip() for line in output.splitlines() if "Error" in line]
-            return {"ok": False, "output": output, "error": errors[-1:], "seconds": seconds}
+            errors = [line.strip() for line in output.splitlines() if "error" in line.lower()]
+            return {"ok": False, "output": output, "error": errors[-3:], "seconds": seconds}
         items = json.loads(report.read_text())["install"]
         install = sorted(f"{i['metadata']['name']}=={i['metadata']['version']}" for i in items)
         return {"ok": True, "install": install, "seconds": seconds}
