@@ -1,8 +1,8 @@
 """The layer spec and the megatron-core fusions of this process, chosen by what imports.
 
 Each choice is on exactly when the module it needs imports (on a CUDA machine), decided once
-per process by :func:`device_fusions` and printed once at start-up (:func:`announce_fusions`,
-called by ``platform.distributed.init_distributed`` before megatron-core is imported):
+per process by :func:`device_fusions` and printed once at start-up (:func:`announce_fusions`);
+``platform.distributed.init_distributed`` takes the decision before megatron-core is imported:
 
 - the transformer-engine layer spec needs ``transformer_engine.pytorch`` (TE >=
   :data:`TE_MIN_VERSION`): megatron-core's ``extensions/transformer_engine.py``;
@@ -52,8 +52,8 @@ import sys
 from dataclasses import dataclass
 from typing import Literal
 
-# The floor of the [gpu] extra (setup.py): TEGroupedLinear (>= 1.9), fused permutation (>= 2.1)
-# and megatron-core 0.19's TE code paths that test a version at all are all below it.
+# The floor of the [gpu] extra (setup.py). What is turned on here needs less: TEGroupedLinear
+# (TE >= 1.9), fused permutation (>= 2.1), fused RoPE (>= 1.4), per megatron-core 0.19.2.
 TE_MIN_VERSION = "2.6"
 
 ProbeState = Literal["present", "absent", "broken"]
