@@ -42,7 +42,7 @@ def test_readme_commands_are_the_documented_ones():
 
 def test_bench_runs_the_documented_commands():
     documented = _pip_lines((ROOT / "docs/gpu.md").read_text())
-    for name in ("py311", "te_torch"):  # te_core is the binary part of te_torch's
+    for name in ("base", "py311", "te_torch"):  # te_core is the binary part of te_torch's
         assert bench.as_documented(bench.COMMANDS[name]) in documented, name
     assert bench.as_documented(bench.COMMANDS["te_torch"]) == (
         'pip install --no-build-isolation "transformer_engine[pytorch]==2.20.2"'
