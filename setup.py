@@ -32,13 +32,18 @@ INSTALL_REQUIRES = [
     "pybase64>=1.4,<2",
     "orjson>=3.10,<4",
     # megatron-core's metadata asks for Python 3.12; on 3.11 tools/bootstrap.sh installs the
-    # pinned 0.19.2 with --ignore-requires-python (it runs on 3.11).
+    # pinned 0.19.2 with --ignore-requires-python (it runs on 3.11), and docs/gpu.md names it
+    # on the command line with that flag for a GPU environment on 3.11.
     'megatron-core>=0.19.2,<0.20; python_version >= "3.12"',
 ]
 
 EXTRAS_REQUIRE = {
     "test": ["pytest>=8.3", "ruff>=0.17,<0.18"],
-    # The trainer's GPU extra only: transformer-engine into the existing CUDA torch.
+    # The trainer's GPU extra only: transformer-engine into the existing CUDA torch. Its torch
+    # extension is a source package compiled against the torch it finds, so install this extra
+    # with --no-build-isolation (docs/gpu.md); apex is built from source there too (the PyPI
+    # project named apex is another one). Both are optional: platform/fusions.py turns each
+    # fusion on only when its module imports.
     "gpu": ["transformer-engine[pytorch]>=2.6"],
     # Experiment tracking beside TensorBoard (logging.wandb_project; training/trackers.py).
     "wandb": ["wandb>=0.19"],

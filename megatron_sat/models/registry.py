@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from megatron_sat.platform import get_device, have_transformer_engine, transformer_device_fields
+from megatron_sat.platform.fusions import DeviceFusions, device_fusions
 
 # HF architectures name -> module of megatron_sat.models that derives its TransformerConfig.
 ARCHITECTURES: dict[str, str] = {
@@ -71,6 +71,8 @@ class ModelLayout:
             recompute; R3 replays the same routes in the recomputed forward,
             ``routing.replay``).
         recompute_num_layers: layers per recomputed chunk under ``full`` (uniform method).
+        fusions: the layer spec and fusions (``platform.fusions``); None: this process's,
+            ``device_fusions()`` (a test passes another machine's decision).
     """
 
     tensor_model_parallel_size: int = 1
@@ -82,6 +84,7 @@ class ModelLayout:
     moe_enable_routing_replay: bool = True
     recompute_granularity: str | None = None
     recompute_num_layers: int = 1
+    fusions: DeviceFusions | None = None
 
 
 _LAYOUT_FIELDS = frozenset(f.name for f in dataclasses.fields(ModelLayout))
@@ -155,6 +158,25 @@ def _tensor_cuda_is_identity_on_cpu():
         torch.Tensor.cuda = original  # type: ignore[method-assign]
 
 
+def torch_rms_final_norm(block_spec):
+    """The local block spec with its final norm made megatron-core's ``WrappedTorchNorm``
+    (torch's RMSNorm) where megatron-core put apex's ``FusedLayerNorm`` (returns the spec).
+
+    megatron-core 0.19.2's ``get_gpt_decoder_block_spec`` gives the local spec's final norm
+    ``gpt_layer_specs.LNImpl``, which is ``FusedLayerNorm`` whenever ``import apex`` succeeds,
+    and ``FusedLayerNorm`` asserts "(RMSNorm) is not supported in FusedLayerNorm"; the per-layer
+    norms are already torch's (``LocalSpecProvider.layer_norm(rms_norm=True)``). So a CUDA
+    machine with apex and without transformer-engine could not build any model here (every
+    family is RMSNorm). Without apex the final norm is ``WrappedTorchNorm`` already: unchanged.
+    """
+    from megatron.core.fusions.fused_layer_norm import FusedLayerNorm
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    if block_spec.layer_norm is FusedLayerNorm:
+        block_spec.layer_norm = WrappedTorchNorm
+    return block_spec
+
+
 def keep_router_fp32(model: torch.nn.Module) -> list[str]:
     """Make every MoE router's weight (and bias) and its ``expert_bias`` / token-count buffers
     float32 in place, whatever ``params_dtype`` the model was built with; returns the names of
@@ -191,13 +213,14 @@ def require(hf_config: Mapping[str, Any], key: str) -> Any:
 
 def common_transformer_kwargs(hf_config: Mapping[str, Any], layout: ModelLayout) -> dict[str, Any]:
     """``TransformerConfig`` fields shared by every family: sizes, norms, SwiGLU, the layout,
-    the device's settings (CPU initialisation and fusions:
-    ``platform.transformer_device_fields``), routers in float32, no aux loss, dropout from
+    the device's settings (CPU initialisation, layer spec and fusions:
+    ``platform.fusions.DeviceFusions``), routers in float32, no aux loss, dropout from
     config.json. ``pipeline_dtype`` is the parameter dtype when PP > 1.
 
     Raises:
-        ValueError: for ``hidden_act`` other than ``silu``, or a vocabulary that does not split
-            evenly over the tensor-parallel ranks (megatron-core does not pad it here).
+        ValueError: for ``hidden_act`` other than ``silu``, a vocabulary that does not split
+            evenly over the tensor-parallel ranks (megatron-core does not pad it here), or
+            TP > 1 on CUDA without transformer-engine (naming the package).
     """
     tp = layout.tensor_model_parallel_size
     act = hf_config.get("hidden_act", "silu")
@@ -206,6 +229,17 @@ def common_transformer_kwargs(hf_config: Mapping[str, Any], layout: ModelLayout)
     vocab = int(require(hf_config, "vocab_size"))
     if vocab % tp:
         raise ValueError(f"vocab_size={vocab} is not divisible by tensor_model_parallel_size={tp}")
+    fusions = layout.fusions or device_fusions()
+    if tp > 1 and fusions.device_type == "cuda" and not fusions.transformer_engine:
+        # MoE needs sequence parallelism at TP > 1, and the local spec's norm
+        # (megatron-core's WrappedTorchNorm) asserts it off; on the CPU a shim lifts that
+        # (platform.device._patch_torch_norm_sequence_parallel), on CUDA TE's norms are the way.
+        raise ValueError(
+            f"tensor_model_parallel_size={tp} on CUDA needs transformer-engine (megatron-core's "
+            "local norm refuses sequence parallelism), but transformer_engine.pytorch does not "
+            f"import ({dict(fusions.off)['transformer_engine']}): install "
+            "transformer_engine[pytorch] as docs/gpu.md says, or use tensor_model_parallel_size=1"
+        )
     num_heads = int(require(hf_config, "num_attention_heads"))
     hidden = int(require(hf_config, "hidden_size"))
     kwargs: dict[str, Any] = dict(
@@ -223,7 +257,6 @@ def common_transformer_kwargs(hf_config: Mapping[str, Any], layout: ModelLayout)
         moe_aux_loss_coeff=0.0,
         moe_token_dispatcher_type=layout.moe_token_dispatcher_type,
         moe_enable_routing_replay=layout.moe_enable_routing_replay,
-        moe_grouped_gemm=False,
         params_dtype=layout.params_dtype,
         bf16=layout.params_dtype == torch.bfloat16,
         tensor_model_parallel_size=tp,
@@ -233,8 +266,9 @@ def common_transformer_kwargs(hf_config: Mapping[str, Any], layout: ModelLayout)
         # Router logits, scores and top-k in float32 whatever params_dtype is: bf16 router
         # logits tie and flip experts (the train-rollout mismatch R3 exists to remove).
         moe_router_dtype="fp32",
-        # CPU initialisation on the CPU (TP runs bit-identical to TP=1), fusions with CUDA.
-        **transformer_device_fields(get_device(), use_transformer_engine=have_transformer_engine()),
+        # CPU initialisation on the CPU (TP runs bit-identical to TP=1); the spec
+        # (transformer_impl) and each fusion by what imports (platform.fusions).
+        **fusions.transformer_config_fields(),
     )
     if layout.pipeline_model_parallel_size > 1:
         kwargs["pipeline_dtype"] = layout.params_dtype
@@ -266,8 +300,10 @@ def build_generic_gpt_model(
 ):
     """A megatron-core ``GPTModel`` for any registered family on this rank.
 
-    The transformer-engine layer spec when TE is usable (CUDA + TE installed), the local spec
-    otherwise; ``spec_hook(block_spec, use_transformer_engine)`` may return an adjusted block
+    The transformer-engine layer spec when the config says so (``transformer_impl``, set by
+    ``platform.fusions``: CUDA and TE imports; with TE also grouped-GEMM experts,
+    ``TEGroupedMLP``, when ``moe_grouped_gemm``), the local spec otherwise;
+    ``spec_hook(block_spec, use_transformer_engine)`` may return an adjusted block
     spec (the family's extension point). RoPE's base comes from config.json
     (:func:`hf_rope_theta`; MLA reads ``config.rotary_base``).
     """
@@ -275,10 +311,12 @@ def build_generic_gpt_model(
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     if use_transformer_engine is None:
-        use_transformer_engine = have_transformer_engine()
+        use_transformer_engine = config.transformer_impl == "transformer_engine"
     spec = get_gpt_decoder_block_spec(
         config, use_transformer_engine=use_transformer_engine, normalization="RMSNorm"
     )
+    if not use_transformer_engine:
+        spec = torch_rms_final_norm(spec)
     if spec_hook is not None:
         spec = spec_hook(spec, use_transformer_engine)
     return GPTModel(

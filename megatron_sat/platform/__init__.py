@@ -19,17 +19,30 @@ _DEVICE_EXPORTS = (
     "default_backend",
     "default_params_dtype",
     "get_device",
-    "have_transformer_engine",
     "to_device",
-    "transformer_device_fields",
+)
+_FUSION_EXPORTS = (
+    "BrokenInstallError",
+    "DeviceFusions",
+    "announce_fusions",
+    "device_fusions",
+    "have_transformer_engine",
 )
 
-__all__ = [*_DEVICE_EXPORTS, "ThreadPolicy", "configure_threads", "decide_threads"]
+__all__ = [
+    *_DEVICE_EXPORTS,
+    *_FUSION_EXPORTS,
+    "ThreadPolicy",
+    "configure_threads",
+    "decide_threads",
+]
 
 
 def __getattr__(name: str) -> Any:
     if name in _DEVICE_EXPORTS:
         return getattr(importlib.import_module("megatron_sat.platform.device"), name)
+    if name in _FUSION_EXPORTS:
+        return getattr(importlib.import_module("megatron_sat.platform.fusions"), name)
     raise AttributeError(f"module 'megatron_sat.platform' has no attribute {name!r}")
 
 

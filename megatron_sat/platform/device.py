@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib.util
 
 import torch
 
@@ -96,35 +95,6 @@ def default_params_dtype(device: torch.device | None = None) -> str:
     return "bf16" if device.type == "cuda" else "fp32"
 
 
-def transformer_device_fields(device: torch.device, *, use_transformer_engine: bool) -> dict:
-    """The ``TransformerConfig`` fields that depend on the device (every other field is the
-    model's or the layout's).
-
-    - ``use_cpu_initialization``: True only on the CPU. On CUDA megatron-core initialises each
-      shard on the device (the full matrix is not materialised on the host).
-    - Fusions on with CUDA: ``bias_activation_fusion`` (SwiGLU, torch.jit),
-      ``bias_dropout_fusion``, ``masked_softmax_fusion`` (megatron-core checks the kernel and
-      falls back by itself); with transformer-engine also ``apply_rope_fusion`` and
-      ``gradient_accumulation_fusion`` (both need TE's kernels: megatron-core raises without
-      them). ``persist_layer_norm`` needs apex: off.
-    - ``moe_router_fusion`` stays off everywhere: megatron-core's fused top-k
-      (``moe_utils.topk_routing_with_score_function`` with ``fused=True``) returns before the
-      ``RouterReplay`` hook, so R3 would silently route live (``routing.replay`` refuses it).
-    """
-    cuda = device.type == "cuda"
-    te = cuda and use_transformer_engine
-    return dict(
-        use_cpu_initialization=not cuda,
-        bias_activation_fusion=cuda,
-        masked_softmax_fusion=cuda,
-        bias_dropout_fusion=cuda,
-        persist_layer_norm=False,
-        apply_rope_fusion=te,
-        gradient_accumulation_fusion=te,
-        moe_router_fusion=False,
-    )
-
-
 def to_device(obj, device: torch.device, non_blocking: bool = True):
     """``obj`` with every tensor moved to ``device``: a tensor, or a dataclass (micro-batches)
     whose tensor and dataclass fields are moved recursively (other fields are kept). Returns
@@ -144,11 +114,6 @@ def to_device(obj, device: torch.device, non_blocking: bool = True):
                 changes[f.name] = moved
         return dataclasses.replace(obj, **changes) if changes else obj
     return obj
-
-
-def have_transformer_engine() -> bool:
-    """Whether transformer-engine can be used (installed and CUDA present). Never imports it."""
-    return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
 
 
 class _CpuStream:

@@ -15,6 +15,7 @@ import torch
 
 from megatron_sat.config.parallel import ParallelConfig
 from megatron_sat.platform.device import apply_cpu_shims, default_backend
+from megatron_sat.platform.fusions import announce_fusions, device_fusions
 
 
 def free_port() -> int:
@@ -32,7 +33,12 @@ def init_distributed(
     ``timeout_minutes`` (None: torch's default) bounds every collective of the world and of
     megatron-core's groups; it applies only when this call creates the world.
 
+    First decides the layer spec and fusions by what imports (``platform.fusions``) and prints
+    them once on rank 0.
+
     Raises:
+        BrokenInstallError: transformer-engine or apex's CUDA extension is installed but fails
+            to import (named, with the fix).
         ValueError: when the world size does not fit the layout (TP*CP*PP and ETP*EP*PP must
             divide it), CP > 1 without CUDA (attention under CP needs transformer-engine), or
             megatron-core is already initialised at another layout (destroy it first:
@@ -46,6 +52,9 @@ def init_distributed(
             "attention); megatron-core's local attention, the CPU path, has none. Use "
             "context_parallel_size=1 here"
         )
+    # Before megatron-core is imported: it imports TE and apex itself and would crash on, or
+    # silently drop, a broken install that this refuses by name (platform.fusions).
+    fusions = device_fusions()
     apply_cpu_shims()
     timeout = None if timeout_minutes is None else datetime.timedelta(minutes=timeout_minutes)
     if not torch.distributed.is_initialized():
@@ -63,6 +72,7 @@ def init_distributed(
                 world_size=1,
                 timeout=timeout,
             )
+    announce_fusions(fusions, rank=torch.distributed.get_rank())
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
