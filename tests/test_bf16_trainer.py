@@ -107,6 +107,14 @@ def test_optimizer_layout_defaults_and_refusals():
             dp=1,
             edp=1,
         )
+    with pytest.raises(ValueError, match="optimizer_cpu_offload=true needs CUDA"):
+        # megatron-core's HybridDeviceOptimizer failed with "can't optimize a non-leaf Tensor"
+        resolve_optimizer_layout(
+            TrainConfig(optimizer_cpu_offload=True, params_dtype="bf16"),
+            device_type="cpu",
+            dp=1,
+            edp=1,
+        )
     with pytest.raises(ValueError, match="train.use_distributed_optimizer"):
         TrainConfig(use_precision_aware_optimizer=True, use_distributed_optimizer=False)
     with pytest.raises(ValueError, match="train.params_dtype"):

@@ -45,7 +45,8 @@ def resolve_optimizer_layout(train: Any, *, device_type: str, dp: int, edp: int)
     distributed optimizer at DP 1 holds the same bytes and checkpoints (and resumes) exactly.
 
     Raises:
-        ValueError: ``optimizer_cpu_offload`` / ``use_precision_aware_optimizer`` without the
+        ValueError: ``optimizer_cpu_offload`` without CUDA; ``optimizer_cpu_offload`` /
+            ``use_precision_aware_optimizer`` without the
             distributed optimizer (both DP sizes 1 and not forced on), or with fp32 params (no
             main weights to offload or to keep apart from bf16 moments); bf16 with
             ``use_distributed_optimizer`` false (naming the field).
@@ -59,6 +60,16 @@ def resolve_optimizer_layout(train: Any, *, device_type: str, dp: int, edp: int)
             "train.use_distributed_optimizer=false with bf16 parameters: megatron-core 0.19's "
             "replicated mixed-precision optimizer cannot checkpoint our fp32 routers beside "
             "bf16 weights; leave train.use_distributed_optimizer unset (or true)"
+        )
+    if train.optimizer_cpu_offload and device_type != "cuda":
+        # megatron-core's HybridDeviceOptimizer moves gradients and weights between the device
+        # and host copies on CUDA streams; without CUDA its constructor fails ("can't optimize
+        # a non-leaf Tensor"), and a CPU trainer's optimizer is in host memory already.
+        raise ValueError(
+            f"train.optimizer_cpu_offload=true needs CUDA (the trainer's device is "
+            f"{device_type}): megatron-core's HybridDeviceOptimizer offloads from a GPU; on "
+            "the CPU the optimizer state is in host memory already: set "
+            "train.optimizer_cpu_offload=false"
         )
     for name in ("optimizer_cpu_offload", "use_precision_aware_optimizer"):
         if getattr(train, name) and not dist_opt:

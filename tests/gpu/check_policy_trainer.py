@@ -105,6 +105,7 @@ KEYS = (
     "model",
     "params_dtype",
     "recompute_granularity",
+    "optimizer_cpu_offload",
     "objective",
     "num_micro_batches",
     "tokens_per_step",
@@ -241,6 +242,9 @@ class Check:
             max_tokens_per_micro_batch=None,
             recompute_granularity="full",
             params_dtype="bf16",
+            # the recipe's optimizer offload (megatron-core's HybridDeviceOptimizer) runs on
+            # CUDA only; the CPU mode's optimizer is in host memory anyway
+            optimizer_cpu_offload=recipe.train.optimizer_cpu_offload and self.cuda,
             # the recipe's 1e-6 moves no bf16 weight in two steps: the push could not show
             lr=1e-4,
         )
@@ -305,6 +309,7 @@ class Check:
         self.report.update(
             params_dtype=str(next(self.trainer.model.module.parameters()).dtype),
             recompute_granularity=self.train.recompute_granularity,
+            optimizer_cpu_offload=self.train.optimizer_cpu_offload,
             objective=dataclasses.asdict(self.objective),
             device=torch.cuda.get_device_name() if self.cuda else "cpu",
         )
