@@ -106,8 +106,8 @@ class PolicyTrainer:
         self.train_config = train
         self.pad_token_id = pad_token_id
         self.hf_config = hf_config
-        # One device decision (platform.get_device): the model, every micro-batch and the
-        # log-probs live there; the reference policy waits in (pinned, on CUDA) host memory.
+        # One device decision (platform.get_device): the model and the log-probs live there;
+        # micro-batches wait in host memory and are staged one at a time (training.staging).
         self.device = get_device()
         self.optimizer_layout = resolve_optimizer_layout(
             train,
@@ -160,7 +160,8 @@ class PolicyTrainer:
         rows: list[list[int]] | None = None,
     ) -> list[MicroBatch | PackedMicroBatch]:
         """Split ``samples`` ([len(samples)] float ``advantages``) into micro-batches on the
-        trainer's device (``rows``, default ``micro_batch_rows``), padded or packed
+        host, pinned on CUDA (``rows``, default ``micro_batch_rows``; each pass stages them on
+        the device one at a time, ``training.staging``), padded or packed
         (``step_batch.build_micro_batches``), with the rollout routes when ``with_routes``.
         The losses' per-sample layout holds the samples in the order of ``rows``."""
         rows = self.micro_batch_rows(samples) if rows is None else rows
@@ -301,7 +302,7 @@ class PolicyTrainer:
         update_ok, grad_norm, _ = self.optimizer.step()
         if not update_ok:
             raise RuntimeError("optimizer step was skipped (non-finite gradients)")
-        metrics = self._from_last_stage(acc.reduce(batch.group))
+        metrics = self._from_last_stage(acc.reduce(batch.group, self.device))
         return policy_step.step_metrics(metrics, batch, grad_norm)
 
     def sft_step(self, samples: Sequence[Sample]) -> dict[str, float]:
@@ -319,12 +320,12 @@ class PolicyTrainer:
         scale = self._loss_scale(group)
         acc = MetricAccumulator()
 
-        def nll(i: int, log_probs: torch.Tensor, _entropy: None) -> tuple[torch.Tensor, dict]:
-            return -(log_probs * mbs[i].loss_mask).sum() / num_tokens, {}
+        def nll(i: int, mb, log_probs: torch.Tensor, _entropy: None) -> tuple[torch.Tensor, dict]:
+            return -(log_probs * mb.loss_mask).sum() / num_tokens, {}
 
         train_pass(self, forwards, len(mbs), nll, acc, scale, replay=False, entropy=False)
         _, grad_norm, _ = self.optimizer.step()
-        loss = self._from_last_stage(acc.reduce(group))["loss"]
+        loss = self._from_last_stage(acc.reduce(group, self.device))["loss"]
         return {"loss": loss, "grad_norm": float(grad_norm)}
 
     # -- weights -------------------------------------------------------------------------
