@@ -21,6 +21,7 @@ from megatron_sat.training.batching import MicroBatch
 from megatron_sat.training.logprobs import forward_log_probs, model_log_probs
 from megatron_sat.training.pass_plan import PassPlan
 from megatron_sat.training.pipeline import run_pipeline_schedule
+from megatron_sat.training.reference import ReferencePolicy
 from megatron_sat.training.routing_metrics import (
     ShardLayout,
     topk_agreement,
@@ -37,41 +38,18 @@ if TYPE_CHECKING:
 PassOutput = list[tuple[torch.Tensor | None, torch.Tensor | None]]
 
 
-def host_copy(tensor: torch.Tensor, pin: bool) -> torch.Tensor:
-    """A copy of ``tensor`` in host memory (page-locked on CUDA machines, for fast copies)."""
-    copy = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pin)
-    copy.copy_(tensor.detach())
-    return copy
-
-
 @contextlib.contextmanager
-def reference_weights(
-    reference: list[tuple[torch.nn.Parameter, torch.Tensor]] | None, device: torch.device
-) -> Iterator[None]:
+def reference_weights(reference: ReferencePolicy | None) -> Iterator[None]:
     """The parameters hold the reference weights inside the block, the policy's again after it
-    (bit for bit: they wait in host memory, pinned on CUDA).
-
-    Args:
-        reference: (parameter, its reference value in host memory) pairs
-            (``PolicyTrainer._reference``).
-        device: the model's device.
+    (``ReferencePolicy.swapped_in``).
 
     Raises:
         ValueError: without a reference (``reference=False`` at construction).
     """
     if reference is None:
         raise ValueError("this PolicyTrainer holds no reference policy (reference=False)")
-    pin = device.type == "cuda"
-    policy = [host_copy(param, pin) for param, _ in reference]
-    with torch.no_grad():
-        for param, initial in reference:
-            param.copy_(initial, non_blocking=True)
-    try:
+    with reference.swapped_in():
         yield
-    finally:
-        with torch.no_grad():
-            for (param, _), saved in zip(reference, policy, strict=True):
-                param.copy_(saved, non_blocking=True)
 
 
 def replayed(
@@ -168,11 +146,7 @@ def no_grad_log_probs(
     """
     trainer.model.eval()
     out = []
-    weights = (
-        reference_weights(trainer._reference, trainer.device)
-        if reference
-        else contextlib.nullcontext()
-    )
+    weights = reference_weights(trainer._reference) if reference else contextlib.nullcontext()
     with weights:
         if trainer.pp_size > 1:
             return pipelined_log_probs(trainer, mbs, replay)

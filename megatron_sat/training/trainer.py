@@ -28,7 +28,6 @@ from megatron_sat.training.builders import (
     build_model,
     build_optimizer,
     build_transformer_config,
-    reference_copy,
 )
 from megatron_sat.training.loss_reduction import (
     MetricAccumulator,
@@ -38,6 +37,7 @@ from megatron_sat.training.loss_reduction import (
 from megatron_sat.training.optimizer_layout import resolve_optimizer_layout
 from megatron_sat.training.packing import PackedMicroBatch
 from megatron_sat.training.pass_plan import plan_passes
+from megatron_sat.training.reference import ReferencePolicy
 from megatron_sat.training.train_pass import train_pass
 
 
@@ -70,10 +70,11 @@ class PolicyTrainer:
         pad_token_id: token id used for padding.
         reference: also keep a frozen reference policy, the initial weights (``load_from``,
             or the random initialisation), for the k3 KL term of objectives with
-            ``kl_coef > 0``. As in slime, it is this rank's shard of those weights in host
-            memory, swapped into the model for the reference's no-grad forward and swapped out
-            again (the policy's weights wait in host memory meanwhile), so it costs no device
-            memory, only two host<->device copies of the shard per step.
+            ``kl_coef > 0``: this rank's shard of those weights, swapped into the model for the
+            reference's no-grad forward and out again (``training.reference``): in device
+            memory with ``train.reference_on_device`` (no copy per step), else, as in slime,
+            in pinned host memory (three host<->device copies of the shard per step, through
+            buffers allocated once).
 
     Raises:
         ValueError: megatron-core's parallel state was already initialised with other sizes
@@ -123,10 +124,11 @@ class PolicyTrainer:
         model = build_model(
             hf_config, self.config, seed=train.seed, device=self.device, load_from=load_from
         )
-        # (parameter, its initial value in host memory): the k3 KL term's reference policy.
-        self._reference: list[tuple[torch.nn.Parameter, torch.Tensor]] | None = None
+        # The k3 KL term's reference policy: the initial weights, on the device or in host
+        # memory (train.reference_on_device; training.reference).
+        self._reference: ReferencePolicy | None = None
         if reference:
-            self._reference = reference_copy(model, self.device)
+            self._reference = ReferencePolicy(model, self.device, train.reference_on_device)
         self.model = build_ddp(self.config, model, self.optimizer_layout)
         self.optimizer = build_optimizer(self.model, train, self.optimizer_layout)
         self.routing_shape = (
