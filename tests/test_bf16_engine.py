@@ -43,6 +43,7 @@ def _run(tmp_path, tiny_checkpoint, dtype: str) -> list[dict]:
         "rollout.eval_samples_per_prompt=1",
         "train.num_steps=2",
         "train.eval_every=2",
+        "train.routing_diagnostic_interval=1",  # the live metrics on every row
         "train.use_r3=true",
     ]
     run_rl(load_config(None, overrides))

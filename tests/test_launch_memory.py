@@ -95,3 +95,13 @@ def test_params_dtype_must_agree_with_the_trainer():
                 ["train.use_distributed_optimizer=false", "train.optimizer_cpu_offload=false"],
             )
         )
+
+
+def test_reference_on_device_is_counted():
+    """``train.reference_on_device`` puts a second copy of the parameters on every trainer GPU:
+    the plan's reference component is exactly the parameter bytes, and 0 in host memory."""
+    host = resolve_plan(load_config(RECIPE)).step_memory
+    device = resolve_plan(load_config(RECIPE, ["train.reference_on_device=true"])).step_memory
+    assert host.components["reference policy"] == 0
+    assert device.components["reference policy"] == host.components["parameters"] > 0
+    assert device.total - host.total == host.components["parameters"]

@@ -80,3 +80,33 @@ def test_kl_without_a_reference_is_refused(megatron_world, tiny_checkpoint, tiny
     samples = make_samples(plain, tiny_hf_config["vocab_size"])
     with pytest.raises(ValueError, match="reference=True"):
         plain.rl_step(samples, torch.ones(len(samples)), ObjectiveConfig(name="grpo", kl_coef=1e-3))
+
+
+@pytest.mark.parametrize("on_device", [False, True])
+def test_reference_swap_restores_the_policy_without_fresh_buffers(on_device):
+    from megatron_sat.training.reference import ReferencePolicy
+
+    model = torch.nn.Linear(3, 2)
+    initial = [p.detach().clone() for p in model.parameters()]
+    reference = ReferencePolicy(model, torch.device("cpu"), on_device=on_device)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)  # the policy moves away from the reference
+    policy = [p.detach().clone() for p in model.parameters()]
+    storages = []
+    for _ in range(2):  # two steps
+        with reference.swapped_in():
+            for p, want in zip(model.parameters(), initial, strict=True):
+                assert torch.equal(p, want)
+            if on_device:  # the parameters hold the reference's own storage: nothing copied
+                assert [p.data_ptr() for p in model.parameters()] == [
+                    r.data_ptr() for _, r in reference.pairs
+                ]
+        for p, want in zip(model.parameters(), policy, strict=True):
+            assert torch.equal(p, want)
+        buffers = reference.policy_buffers
+        storages.append(None if buffers is None else [b.data_ptr() for b in buffers])
+    if on_device:
+        assert storages == [None, None]
+    else:  # the policy's weights waited in the same host buffers both steps
+        assert storages[0] is not None and storages[0] == storages[1]

@@ -99,6 +99,7 @@ def test_rl_steps_with_dense_layers(tmp_path, arith_data, megatron_world, model,
             "rollout.temperature=1.0",
             "train.num_steps=2",
             "train.eval_every=2",
+            "train.routing_diagnostic_interval=1",  # the live metrics on every row
             "train.micro_batch_size=2",  # two micro-batches per step
             f"train.use_r3={str(use_r3).lower()}",
             "train.lr=0.01",

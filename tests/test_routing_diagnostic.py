@@ -62,7 +62,10 @@ def test_interval():
         routing_diagnostic_due(1, 0)
     with pytest.raises(ValueError, match="train.routing_diagnostic_interval"):
         TrainConfig(routing_diagnostic_interval=-1)
-    assert TrainConfig().routing_diagnostic_interval == 1  # today's metrics by default
+    # by default with the evaluations only: ordinary steps run no diagnostic forward
+    assert TrainConfig().routing_diagnostic_interval == TrainConfig().eval_every == 10
+    assert TrainConfig(eval_every=7).routing_diagnostic_interval == 7
+    assert TrainConfig(eval_every=7, routing_diagnostic_interval=0).routing_diagnostic_interval == 0
 
 
 @pytest.mark.slow  # two trainers and steps: ~30 s on this machine under load

@@ -235,7 +235,9 @@ class TrainConfig:
             no-grad forward of the batch: ``train/topk_match_live``,
             ``train/mismatch_abs_logratio_live``) every this many steps (step % k == 0);
             0 = never. On other steps those metrics are absent from the log (not zero).
-            Default 1: every step, as the main job's summary and plots expect.
+            None (default): every ``eval_every`` steps, so that ordinary steps run no
+            diagnostic forward (at the paper's scale it costs a third of a training pass);
+            the main job sets 1 (every step: its summary and plots read the metric).
         eval_every: held-out evaluation every this many steps (and at 0 and the end).
         save_every: run checkpoint (model, optimizer, RNG, data position, weight version)
             every this many steps, and always after the last one; 0 = only after the last.
@@ -263,6 +265,11 @@ class TrainConfig:
             uniform chunks of ``recompute_num_layers``), "selective" (core attention) or
             "none". R3 replays the rollout's routes in the recomputed forward too.
         recompute_num_layers: layers per recomputed chunk under "full".
+        reference_on_device: keep the frozen reference policy of the k3 KL term
+            (``objective.kl_coef > 0``) in device memory: one more copy of each rank's weight
+            shard in the training dtype, swapped in without a copy. False: in pinned host
+            memory, copied in and out over PCIe every step (three copies of the shard) through
+            buffers allocated once. Turn it on when the memory plan has room for it.
     """
 
     num_steps: int = 40
@@ -274,7 +281,7 @@ class TrainConfig:
     weight_decay: float = 0.0
     clip_grad: float = 1.0
     use_r3: bool = True
-    routing_diagnostic_interval: int = 1
+    routing_diagnostic_interval: int | None = None
     eval_every: int = 10
     save_every: int = 0
     resume: bool = False
@@ -287,6 +294,7 @@ class TrainConfig:
     use_precision_aware_optimizer: bool = False
     recompute_granularity: str = "none"
     recompute_num_layers: int = 1
+    reference_on_device: bool = False
 
     def __post_init__(self) -> None:
         _positive("train", self, "num_steps", "micro_batch_size", "lr", "eval_every")
@@ -314,6 +322,8 @@ class TrainConfig:
             )
         if self.save_every < 0:
             raise ValueError(f"train.save_every must be >= 0, got {self.save_every}")
+        if self.routing_diagnostic_interval is None:
+            self.routing_diagnostic_interval = self.eval_every
         if self.routing_diagnostic_interval < 0:
             raise ValueError(
                 "train.routing_diagnostic_interval must be >= 0 (0 = off), got "

@@ -19,8 +19,9 @@ Components (bytes on the heaviest rank; first and last pipeline stage both evalu
 - no-grad pass results: the float32 log-probs [B, S] of every micro-batch of the step from
   each no-grad pass of ``training.pass_plan.plan_passes`` (they stay on the device until the
   training pass reads them); last stage only.
-- reference policy: 0 (the trainer keeps it in host memory and swaps it in); the plan says in a
-  note whether it would fit on the device.
+- reference policy: with ``objective.kl_coef > 0`` and ``train.reference_on_device``, a second
+  copy of the parameters (``training.reference``); else 0 (pinned host memory, swapped in for
+  its pass), and the plan says in a note whether it would fit on the device.
 - CUDA context, NCCL and TE workspaces: ``launch.reserved_memory_gib``.
 - allocator fragmentation: :data:`FRAGMENTATION` of the dynamic components (activations,
   recompute, logits, micro-batch), the caching allocator's slack between block sizes.
@@ -225,7 +226,9 @@ def step_memory(
         "gradients": static.grad_bytes,
         "optimizer states": static.optimizer_bytes,
         **dynamic,
-        "reference policy": 0,
+        "reference policy": static.param_bytes
+        if cfg.objective.kl_coef > 0 and cfg.train.reference_on_device
+        else 0,
         "CUDA/NCCL/TE workspaces": int(cfg.launch.reserved_memory_gib * GIB),
     }
     fragmented = sum(v for k, v in dynamic.items() if k != "no-grad pass results")
@@ -351,7 +354,7 @@ def step_memory_errors(
         "assumed balanced over the expert-parallel ranks"
     )
     room = step.limit_bytes - step.total
-    if cfg.objective.kl_coef > 0:
+    if cfg.objective.kl_coef > 0 and not cfg.train.reference_on_device:
         notes.append(
             f"reference policy in host memory ({2 * static.param_bytes / GIB:.1f} GiB per "
             "trainer rank while it is swapped in for its pass: its weights and the policy's); "

@@ -7,6 +7,8 @@ combining micro-batches should weight them by `num_active_tokens`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
@@ -147,6 +149,7 @@ def bucket_metrics(
     row_bucket: Tensor,
     prefix: str = "age",
     minima: dict[str, Tensor] | None = None,
+    buckets: Sequence[int] | None = None,
 ) -> dict[str, Tensor]:
     """Token means of per-token diagnostics within each bucket of rows (e.g. version age).
 
@@ -164,6 +167,10 @@ def bucket_metrics(
         row_bucket: [B] integer bucket id of each row; negative ids are left out.
         prefix: key prefix, "age" for the version-age buckets of the SAT paper's diagnostics.
         minima: optional name -> float values broadcastable to [B, T] reduced by min.
+        buckets: the bucket ids held by a row with an active token, when the caller knows them
+            on the host (a trainer knows its samples' ages); None finds them on `row_bucket`'s
+            device, which reads them back to the host (one synchronisation per call). Buckets
+            listed here are reported as given: the caller must list exactly those ids.
 
     Returns:
         Dict of detached 0-dim tensors.
@@ -180,7 +187,9 @@ def bucket_metrics(
     out: dict[str, Tensor] = {}
     with torch.no_grad():
         rows = (row_bucket >= 0) & mask.any(dim=-1)
-        for bucket in torch.unique(row_bucket[rows]).tolist():
+        if buckets is None:
+            buckets = torch.unique(row_bucket[rows]).tolist()
+        for bucket in sorted(buckets):
             in_bucket = rows & (row_bucket == bucket)
             bucket_mask = mask & in_bucket.unsqueeze(-1)
             dtype = next(iter(per_token.values())).dtype if per_token else torch.float32

@@ -45,7 +45,7 @@ import functools
 import math
 import types
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -770,6 +770,7 @@ def policy_loss(
     sat_quantile: float | Tensor | None = None,
     sample_age: Tensor | None = None,
     entropy: Tensor | None = None,
+    age_buckets: Sequence[int] | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Policy loss of `config.name`, aggregated, plus the optional k3 reference KL.
 
@@ -796,7 +797,8 @@ def policy_loss(
         sat_quantile: SAT q over the global batch (see `sat_abs_staleness`); None = from this
             batch. Ignored, with a warning, by non-SAT objectives.
         sample_age: optional [B] integer version age of each row (`rollout.types.staleness`;
-            negative = leave the row out): adds per-age-bucket metrics (`bucket_metrics`).
+            negative = leave the row out): adds per-age-bucket metrics (`bucket_metrics`;
+            `age_buckets`: its `buckets`, known on the host, or None).
         entropy: [B, T] the policy's entropy per token, nats, differentiable (e.g.
             `training.logprobs.vocab_parallel_entropy`); required when `entropy_coef > 0`, and
             reported as the `entropy` metric whenever given.
@@ -811,28 +813,19 @@ def policy_loss(
         `sat_q`, `sat_gate_rate`, `sat_eps_low_mean`, `sat_eps_high_mean`, `sat_c_plus_min`,
         `sat_c_minus_min`; DPPO adds `dppo_drop_rate`; M2PO `m2po_m2`, `m2po_mask_rate`; TIS
         `tis_weight_mean`; IcePop `icepop_keep_rate`; `kl_loss` when `kl_coef > 0`; `entropy`
-        (token mean) when `entropy` is given; with `sample_age`,
-        `age{a}/clipfrac_low`, `age{a}/clipfrac_high`, `age{a}/mismatch_abs_logratio`,
-        `age{a}/k1`, `age{a}/k3`, `age{a}/num_active_tokens`, `age{a}/num_seqs` per age a, and
-        for SAT `age{a}/sat_gate_rate`, `age{a}/sat_eps_low_mean`, `age{a}/sat_eps_high_mean`,
-        `age{a}/sat_c_plus_min`, `age{a}/sat_c_minus_min`.
+        (token mean) when `entropy` is given; with `sample_age`, per age a: `age{a}/` +
+        `clipfrac_low`, `clipfrac_high`, `mismatch_abs_logratio`, `k1`, `k3`,
+        `num_active_tokens`, `num_seqs`, and for SAT `sat_gate_rate`, `sat_eps_low_mean`,
+        `sat_eps_high_mean`, `sat_c_plus_min`, `sat_c_minus_min`.
 
     Raises:
         ValueError: a shape mismatch (naming the argument), `kl_coef > 0` without
             `ref_log_probs`, `entropy_coef > 0` without `entropy`, "recomputed_old" without
             `old_log_probs`, a non-positive global denominator, a negative `sat_quantile`.
     """
-    _check_shapes(
-        log_probs,
-        advantages,
-        {
-            "rollout_log_probs": rollout_log_probs,
-            "loss_mask": loss_mask,
-            "ref_log_probs": ref_log_probs,
-            "old_log_probs": old_log_probs,
-            "entropy": entropy,
-        },
-    )
+    others = dict(rollout_log_probs=rollout_log_probs, loss_mask=loss_mask, entropy=entropy)
+    others |= dict(ref_log_probs=ref_log_probs, old_log_probs=old_log_probs)
+    _check_shapes(log_probs, advantages, others)
     _check_optional_inputs(config, ref_log_probs, old_log_probs, sat_quantile, entropy)
     recomputed = config.ratio_denominator == "recomputed_old"
     inp = prepare_inputs(
@@ -854,7 +847,9 @@ def policy_loss(
         norm_constant=config.loss_agg_norm_constant,
     )
     pg_loss = agg(per_token)
-    metrics = _loss_metrics(inp, rollout, terms, config, pg_loss, weight_metrics, sample_age)
+    metrics = _loss_metrics(
+        inp, rollout, terms, config, pg_loss, weight_metrics, sample_age, age_buckets
+    )
     loss = _regularised(pg_loss, inp, config, agg, ref_log_probs, entropy, metrics)
     return loss, {k: v.detach() for k, v in metrics.items()}
 
@@ -867,6 +862,7 @@ def _loss_metrics(
     pg_loss: Tensor,
     weight_metrics: dict[str, Tensor],
     sample_age: Tensor | None,
+    age_buckets: Sequence[int] | None = None,
 ) -> dict[str, Tensor]:
     """`policy_loss`'s metrics before the regularisers (see its Returns): importance weights,
     clip fractions and mismatch vs mu (token means), the sequence mismatch, the objective's
@@ -886,7 +882,7 @@ def _loss_metrics(
         **weight_metrics,
     }
     if sample_age is not None:
-        metrics.update(_age_metrics(inp, clip, mismatch, terms, sample_age))
+        metrics.update(_age_metrics(inp, clip, mismatch, terms, sample_age, age_buckets))
     return metrics
 
 
@@ -943,6 +939,7 @@ def _age_metrics(
     mismatch: dict[str, Tensor],
     terms: ObjectiveTerms,
     sample_age: Tensor,
+    age_buckets: Sequence[int] | None = None,
 ) -> dict[str, Tensor]:
     """`policy_loss`'s per-version-age metrics (`bucket_metrics` with prefix `age`): clip
     fractions and mismatch terms, and SAT's diagnostics when the objective has radii (q is the
@@ -957,7 +954,9 @@ def _age_metrics(
             "sat_eps_high_mean": radii.eps_high,
         }
         minima = {"sat_c_plus_min": radii.c_plus, "sat_c_minus_min": radii.c_minus}
-    return bucket_metrics(per_age, inp.mask, sample_age, prefix="age", minima=minima)
+    return bucket_metrics(
+        per_age, inp.mask, sample_age, prefix="age", minima=minima, buckets=age_buckets
+    )
 
 
 def importance_weight_metrics(

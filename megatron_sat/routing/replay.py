@@ -310,6 +310,8 @@ class RoutingReplay:
                 if id(module) in self._layer_of:
                     self._block_of[self._layer_of[id(module)]] = id(block)
         self._backward_mb: dict[int, int] = {}
+        self._ids_checked = False
+        self._structure_checked: set[int] = set()
         self._report = ReplayReport()
 
     # -- targets ---------------------------------------------------------------------------
@@ -351,6 +353,7 @@ class RoutingReplay:
         training: bool = True,
         audit: bool = True,
         capture: bool = False,
+        ids_checked: bool = False,
     ) -> Iterator[ReplayReport]:
         """Replay ``routes[micro_batch].targets[layer]`` in every router for the block inside.
 
@@ -361,6 +364,13 @@ class RoutingReplay:
                 forward-only passes (a recompute then raises).
             audit: compare the trainer's own top-k with the replayed experts (report.differ).
             capture: keep every routing map actually used (report.used / report.recomputed).
+            ids_checked: the caller already checked the expert ids on the host (in range,
+                distinct within a token: ``training.batching.check_sample_routes`` for every
+                sample of a step); the ids are then not checked again here, which would read
+                one flag back from the device per session (a host synchronisation per
+                micro-batch). Shapes and dtypes are always checked, then per micro-batch
+                when it first runs: ``routes`` is read lazily, so a mapping may build each
+                micro-batch's targets on demand (``training.passes.LazyRoutes``).
 
         Yields:
             The :class:`ReplayReport` filled during the block.
@@ -374,20 +384,13 @@ class RoutingReplay:
                 its micro-batch and layer, two micro-batches' backwards interleave in one
                 block, or a layer was recomputed for some forwards but not all.
         """
+        if ids_checked:  # structure checked per micro-batch as it runs (``_pre_hook``)
+            with self._session("replay", training, audit, capture, routes, True) as report:
+                yield report
+            return
+        flags = {}
         for mb, mb_routes in routes.items():
-            missing = sorted(set(self.layers) - set(mb_routes.targets))
-            extra = sorted(set(mb_routes.targets) - set(self.layers))
-            if missing or extra:
-                raise ValueError(
-                    f"routing replay targets of micro-batch {mb} do not match this rank's MoE "
-                    f"layers {self.layers}: missing {missing}, not in this model (or pipeline "
-                    f"stage) {extra}"
-                )
-        flags = {
-            (mb, layer): self._check_target(mb, layer, target, mb_routes.real)
-            for mb, mb_routes in routes.items()
-            for layer, target in mb_routes.targets.items()
-        }
+            flags |= self._check_structure(mb, mb_routes, ids=True)
         flags = {key: flag for key, flag in flags.items() if flag is not None}
         device = next(iter(flags.values())).device if flags else None
         if flags and bool(torch.stack([f.to(device) for f in flags.values()]).any()):
@@ -396,6 +399,24 @@ class RoutingReplay:
                     self._name_bad_target(mb, layer, routes[mb].targets[layer])
         with self._session("replay", training, audit, capture, routes) as report:
             yield report
+
+    def _check_structure(
+        self, mb: int, mb_routes: MicroBatchRoutes, *, ids: bool
+    ) -> dict[tuple[int, int], torch.Tensor | None]:
+        """Raise ValueError on a missing or extra layer or a target's shape or dtype; with
+        ``ids``, also return per layer the 0-dim flag of ``_check_target`` (read by the caller)."""
+        missing = sorted(set(self.layers) - set(mb_routes.targets))
+        extra = sorted(set(mb_routes.targets) - set(self.layers))
+        if missing or extra:
+            raise ValueError(
+                f"routing replay targets of micro-batch {mb} do not match this rank's MoE "
+                f"layers {self.layers}: missing {missing}, not in this model (or pipeline "
+                f"stage) {extra}"
+            )
+        return {
+            (mb, layer): self._check_target(mb, layer, target, mb_routes.real, ids=ids)
+            for layer, target in mb_routes.targets.items()
+        }
 
     @contextlib.contextmanager
     def record(self, *, training: bool = True, capture: bool = False) -> Iterator[ReplayReport]:
@@ -434,11 +455,11 @@ class RoutingReplay:
 
     # -- internals -------------------------------------------------------------------------
     def _check_target(
-        self, mb: int, layer: int, target: torch.Tensor, real: torch.Tensor | None
+        self, mb: int, layer: int, target: torch.Tensor, real: torch.Tensor | None, *, ids: bool
     ) -> torch.Tensor | None:
-        """Check shape and dtype now; return a 0-dim bool tensor, True when an id is out of
-        range or repeated within a token's top-k (checked for all targets with one device
-        sync in :meth:`replay`, then named by :meth:`_name_bad_target`)."""
+        """Check shape and dtype now; with ``ids`` return a 0-dim bool tensor, True when an id
+        is out of range or repeated within a token's top-k (checked for all targets with one
+        device sync in :meth:`replay`, then named by :meth:`_name_bad_target`)."""
         router = self.routers[layer]
         top_k = router.topk
         where = f"routing replay target of micro-batch {mb}, layer {layer}"
@@ -452,7 +473,7 @@ class RoutingReplay:
             raise ValueError(
                 f"{where}: real mask has shape {tuple(real.shape)}, target {target.shape[0]} rows"
             )
-        if not target.numel():
+        if not ids or not target.numel():
             return None
         bad = (target < 0) | (target >= router.config.num_moe_experts)
         if top_k > 1:
@@ -468,9 +489,12 @@ class RoutingReplay:
         raise ValueError(f"{where} repeats an expert within a token's top-k")
 
     @contextlib.contextmanager
-    def _session(self, mode, training, audit, capture, routes) -> Iterator[ReplayReport]:
+    def _session(
+        self, mode, training, audit, capture, routes, ids_checked=False
+    ) -> Iterator[ReplayReport]:
         if self._mode is not None:
             raise RuntimeError(f"a {self._mode} session is already open on this model")
+        self._ids_checked = ids_checked
         self._mode, self._training, self._audit, self._capture = mode, training, audit, capture
         self._routes = routes
         self._report = ReplayReport()
@@ -478,6 +502,7 @@ class RoutingReplay:
         self._queued = Counter()
         self._calls = {}
         self._backward_mb = {}
+        self._structure_checked = set()
         self._reset_routers()
         handles = []
         if training:
@@ -567,6 +592,9 @@ class RoutingReplay:
         real = None
         if self._mode == "replay":
             mb_routes = self._routes[mb]
+            if self._ids_checked and mb not in self._structure_checked:
+                self._check_structure(mb, mb_routes, ids=False)
+                self._structure_checked.add(mb)
             target = mb_routes.targets[layer]
             real = mb_routes.real
             self._check_tokens(mb, layer, target, num_tokens)

@@ -18,7 +18,6 @@ from megatron_sat.models.registry import keep_router_fp32
 from megatron_sat.platform import PARAMS_DTYPES
 from megatron_sat.platform.distrib_optimizer_fix import realign_param_group_index_map
 from megatron_sat.training.optimizer_layout import OptimizerLayout
-from megatron_sat.training.passes import host_copy
 
 
 def build_transformer_config(
@@ -85,16 +84,6 @@ def build_model(
     if load_from is not None:
         load_hf_into_model(model, load_from)
     return model
-
-
-def reference_copy(
-    model: torch.nn.Module, device: torch.device
-) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
-    """(parameter, its current value in host memory, pinned on CUDA) for every parameter: the
-    frozen reference policy. The parameter objects survive the DDP wrapping (it re-points
-    their storage into its buffers, values unchanged)."""
-    pin = device.type == "cuda"
-    return [(param, host_copy(param, pin)) for param in model.parameters()]
 
 
 def build_ddp(config, model: torch.nn.Module, layout: OptimizerLayout):

@@ -25,15 +25,39 @@ def model_log_probs(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
     """One forward on ``batch``: per-token log pi(label) in the model layout, float32 [R, T].
 
     On a pipeline stage other than the last, the stage's output hidden states instead (what
-    megatron-core's GPTModel returns there). Uses megatron-core's vocab-parallel cross entropy
-    (``labels=`` forward), so it holds under tensor parallelism without gathering the
-    vocabulary. For a packed batch, RoPE is first made to follow ``position_ids``
-    (:func:`use_position_ids_for_rope`, idempotent).
+    megatron-core's GPTModel returns there). The log-probs are the vocab-parallel cross
+    entropy of the logits cast to float32 first (``fp32_log_probs``), so they hold under
+    tensor parallelism without gathering the vocabulary and never depend on the model's dtype
+    or on megatron-core's cross-entropy fusion choice. For a packed batch, RoPE is first made
+    to follow ``position_ids`` (:func:`use_position_ids_for_rope`, idempotent).
     """
     if isinstance(batch, PackedMicroBatch):
         use_position_ids_for_rope(model)
-    out = model(batch.input_ids, batch.position_ids, batch.attention_mask, labels=batch.labels)
-    return -out.float() if out.dim() == 2 else out
+    out = model(batch.input_ids, batch.position_ids, batch.attention_mask)
+    if not getattr(getattr(model, "module", model), "post_process", True):
+        return out  # a stage's hidden states [S, R, H]
+    return fp32_log_probs(out, batch.labels)  # out: logits [R, T, V / TP]
+
+
+def fp32_log_probs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """log softmax(logits)[label] over the whole (vocab-parallel) vocabulary, computed in
+    float32 from ``logits`` cast to float32, as slime and verl compute log-probs for RL:
+    a bf16 log-softmax would round every log-prob to bf16 (8 bits of mantissa: about 0.01
+    nats at a log-prob of -3), which is the size of the train-rollout mismatch being measured.
+
+    Args:
+        logits: [..., V / TP] this TP rank's vocabulary shard, any float dtype.
+        labels: [...] int64 token ids over the whole vocabulary.
+
+    Returns:
+        float32 [...], differentiable with respect to ``logits`` (megatron-core's
+        ``vocab_parallel_cross_entropy``, which overwrites its float32 input in place: the
+        cast's output, or ``logits`` itself when already float32; the caller must not read
+        ``logits`` again then).
+    """
+    from megatron.core import tensor_parallel
+
+    return -tensor_parallel.vocab_parallel_cross_entropy(logits.float(), labels)
 
 
 def forward_log_probs(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
@@ -87,12 +111,9 @@ def forward_log_probs_and_entropy(
     """log pi(labels | prefix) and the policy's entropy at every position, sample layout,
     float32 [N, S] each, from one forward that keeps the (vocab-sharded) logits.
 
-    The log-probs are megatron-core's vocab-parallel cross entropy of the same logits, exactly
-    what :func:`forward_log_probs` computes (its ``labels=`` forward runs the same function).
-    Single pipeline stage.
+    The log-probs are :func:`fp32_log_probs` of the same logits, exactly what
+    :func:`forward_log_probs` computes. Single pipeline stage.
     """
-    from megatron.core import tensor_parallel
-
     if isinstance(batch, PackedMicroBatch):
         use_position_ids_for_rope(model)
     logits = model(batch.input_ids, batch.position_ids, batch.attention_mask)  # [N, S, V/TP]
@@ -100,10 +121,8 @@ def forward_log_probs_and_entropy(
     # row the transposed logits are the logits themselves (no copy). The entropy's backward
     # keeps tensors of its own, not the logits.
     entropy = vocab_parallel_entropy(logits)
-    log_probs = -tensor_parallel.vocab_parallel_cross_entropy(
-        logits.transpose(0, 1).contiguous(), batch.labels.transpose(0, 1).contiguous()
-    ).transpose(0, 1)
-    return batch.to_sample_layout(log_probs.float()), batch.to_sample_layout(entropy)
+    log_probs = fp32_log_probs(logits, batch.labels)
+    return batch.to_sample_layout(log_probs), batch.to_sample_layout(entropy)
 
 
 def routing_agreement(

@@ -53,14 +53,15 @@ def global_loss_denominators(
         (num_tokens, num_seqs) as Python floats (exact: counted in float64, < 2**53), the
         ``global_num_tokens`` / ``global_num_seqs`` of ``policy_loss``.
     """
+    # Counted as tensors and read back once (one host synchronisation, however many masks).
     local = torch.zeros(2, dtype=torch.float64)
     for mask in loss_masks:
         active = mask.to(torch.bool)
-        local[0] += float(active.sum())
-        local[1] += float(active.any(dim=-1).sum())
+        local = local + torch.stack([active.sum(), active.any(dim=-1).sum()]).to(local)
     if group is not None:
         dist.all_reduce(local, op=dist.ReduceOp.SUM, group=group)
-    return float(local[0]), float(local[1])
+    num_tokens, num_seqs = local.tolist()
+    return num_tokens, num_seqs
 
 
 def all_gather_uneven(values: Tensor, group: dist.ProcessGroup | None) -> Tensor:
@@ -163,6 +164,14 @@ def metric_weight_key(key: str) -> str | None:
     return prefix + ("num_seqs" if name.startswith("seq_") else "num_active_tokens")
 
 
+def _as_float64(value: Tensor | float) -> Tensor:
+    """``value`` as a detached 0-dim float64 tensor where it is (a number: on the host), with
+    no read-back to the host."""
+    if torch.is_tensor(value):
+        return value.detach().to(torch.float64)
+    return torch.tensor(float(value), dtype=torch.float64)
+
+
 class MetricAccumulator:
     """Combines per-micro-batch metric dicts into global metrics, over micro-batches and ranks.
 
@@ -170,17 +179,23 @@ class MetricAccumulator:
     returns the global values (see ``metric_weight_key`` for the rule per key), the same on every
     rank. Means are accumulated as float64 sums of ``value * weight`` and of weights, so the
     result is the global token (or sequence) mean up to fp32 rounding of each input.
+
+    The sums stay tensors on the values' device until ``reduce``, which reads them back to the
+    host once (one stacked tensor, one ``.tolist()``): ``add`` never synchronises with the
+    device, however many micro-batches a step has.
     """
 
     def __init__(self) -> None:
-        self._sums: dict[str, float] = {}
-        self._mins: dict[str, float] = {}
-        self._maxs: dict[str, float] = {}
+        self._sums: dict[str, Tensor] = {}
+        self._mins: dict[str, Tensor] = {}
+        self._maxs: dict[str, Tensor] = {}
 
     def add(
-        self, metrics: Mapping[str, Tensor | float], weights: Mapping[str, float] | None = None
+        self,
+        metrics: Mapping[str, Tensor | float],
+        weights: Mapping[str, Tensor | float] | None = None,
     ) -> None:
-        """Add one micro-batch.
+        """Add one micro-batch (no host synchronisation).
 
         Args:
             metrics: name -> value of this micro-batch. A mean's weight is looked up in
@@ -192,17 +207,19 @@ class MetricAccumulator:
             KeyError: naming a mean metric whose weight is missing.
         """
         weights = weights or {}
-        values = {k: float(v) for k, v in metrics.items()}
+        values = {k: _as_float64(v) for k, v in metrics.items()}
         for key, value in values.items():
             if _base_name(key) in MIN_METRICS:
-                self._mins[key] = min(self._mins.get(key, math.inf), value)
+                held = self._mins.get(key)
+                self._mins[key] = value if held is None else torch.minimum(held, value)
             elif key in SAME_METRICS:
-                self._maxs[key] = max(self._maxs.get(key, -math.inf), value)
+                held = self._maxs.get(key)
+                self._maxs[key] = value if held is None else torch.maximum(held, value)
             elif (weight_key := metric_weight_key(key)) is None:
                 self._sums[key] = self._sums.get(key, 0.0) + value
             else:
                 if weight_key in weights:
-                    weight = float(weights[weight_key])
+                    weight = _as_float64(weights[weight_key])
                 elif weight_key in values:
                     weight = values[weight_key]
                 else:
@@ -210,8 +227,12 @@ class MetricAccumulator:
                 self._sums[f"{key}\0sum"] = self._sums.get(f"{key}\0sum", 0.0) + value * weight
                 self._sums[f"{key}\0weight"] = self._sums.get(f"{key}\0weight", 0.0) + weight
 
-    def reduce(self, group: dist.ProcessGroup | None) -> dict[str, float]:
-        """Global metrics (a collective when ``group`` is given).
+    def reduce(
+        self, group: dist.ProcessGroup | None, device: torch.device | str | None = None
+    ) -> dict[str, float]:
+        """Global metrics (a collective when ``group`` is given): one float64 vector per
+        reduction (sum, min, max) all-reduced on ``device`` (the trainer's device: NCCL groups
+        reduce CUDA tensors; default the host), then one read-back to the host.
 
         The set of keys may differ between ranks (age buckets, a rank without micro-batches):
         the union is agreed with ``all_gather_object`` first. A mean whose total weight is 0
@@ -222,10 +243,25 @@ class MetricAccumulator:
             everyone: list = [None] * dist.get_world_size(group)
             dist.all_gather_object(everyone, keys, group=group)
             keys = tuple(sorted(set().union(*(k[i] for k in everyone))) for i in range(3))
-        sums = self._collect(keys[0], self._sums, 0.0, dist.ReduceOp.SUM, group)
-        mins = self._collect(keys[1], self._mins, math.inf, dist.ReduceOp.MIN, group)
-        maxs = self._collect(keys[2], self._maxs, -math.inf, dist.ReduceOp.MAX, group)
-        out: dict[str, float] = {**mins, **maxs}
+        device = torch.device("cpu" if device is None else device)
+        parts = []
+        for names, local, missing, op in (
+            (keys[0], self._sums, 0.0, dist.ReduceOp.SUM),
+            (keys[1], self._mins, math.inf, dist.ReduceOp.MIN),
+            (keys[2], self._maxs, -math.inf, dist.ReduceOp.MAX),
+        ):
+            part = torch.full((len(names),), missing, dtype=torch.float64, device=device)
+            if names:
+                held = [(i, local[k]) for i, k in enumerate(names) if k in local]
+                if held:
+                    index = torch.tensor([i for i, _ in held], device=device)
+                    part[index] = torch.stack([v.to(device) for _, v in held])
+                if group is not None:
+                    dist.all_reduce(part, op=op, group=group)
+            parts.append(part)
+        flat = torch.cat(parts).tolist()  # the one read-back of the step's metrics
+        sums = dict(zip(keys[0], flat[: len(keys[0])], strict=True))
+        out: dict[str, float] = dict(zip(keys[1] + keys[2], flat[len(keys[0]) :], strict=True))
         for key, value in sums.items():
             if key.endswith("\0sum"):
                 name = key[: -len("\0sum")]
@@ -235,18 +271,3 @@ class MetricAccumulator:
             elif not key.endswith("\0weight"):
                 out[key] = value
         return dict(sorted(out.items()))
-
-    @staticmethod
-    def _collect(
-        keys: Sequence[str],
-        local: Mapping[str, float],
-        missing: float,
-        op: dist.ReduceOp,
-        group: dist.ProcessGroup | None,
-    ) -> dict[str, float]:
-        if not keys:
-            return {}
-        t = torch.tensor([local.get(k, missing) for k in keys], dtype=torch.float64)
-        if group is not None:
-            dist.all_reduce(t, op=op, group=group)
-        return dict(zip(keys, t.tolist(), strict=True))

@@ -394,7 +394,9 @@ def use_position_ids_for_rope(model: torch.nn.Module) -> None:
                     f"position_ids cover {positions.shape[1]} positions but the decoder runs "
                     f"{default.shape[0]}"
                 )
-            table = rope.get_emb(int(positions.max()) + 1)[:, 0, 0, :]  # [P, D]
+            # Positions restart at 0 for each packed sample, so all are below the row length:
+            # a table of that many rows needs no read-back of positions.max() from the device.
+            table = rope.get_emb(default.shape[0])[:, 0, 0, :]  # [S, D]
             kwargs["rotary_pos_emb"] = table[positions.t().to(table.device)].unsqueeze(2)
             return args, kwargs
 

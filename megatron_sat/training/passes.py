@@ -10,67 +10,46 @@ a pipeline schedule (``stage_replay``) live here too; the training pass uses the
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
-from megatron_sat.routing.replay import capture_routing
+from megatron_sat.routing.replay import MicroBatchRoutes, capture_routing
 from megatron_sat.training.batching import MicroBatch
 from megatron_sat.training.logprobs import forward_log_probs, model_log_probs
 from megatron_sat.training.pass_plan import PassPlan
 from megatron_sat.training.pipeline import run_pipeline_schedule
+from megatron_sat.training.reference import ReferencePolicy
 from megatron_sat.training.routing_metrics import (
     ShardLayout,
     topk_agreement,
     topk_agreements,
     topk_counts,
 )
+from megatron_sat.training.staging import staged
 
 if TYPE_CHECKING:
     from megatron_sat.training.trainer import PolicyTrainer
 
 # Per micro-batch: log-probs [B, S] (None on a pipeline stage before the last) and the top-k
-# agreement with the rollout's routes (None without routes).
-PassOutput = list[tuple[torch.Tensor | None, float | None]]
-
-
-def host_copy(tensor: torch.Tensor, pin: bool) -> torch.Tensor:
-    """A copy of ``tensor`` in host memory (page-locked on CUDA machines, for fast copies)."""
-    copy = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pin)
-    copy.copy_(tensor.detach())
-    return copy
+# agreement with the rollout's routes (a 0-dim tensor on the device; None without routes).
+PassOutput = list[tuple[torch.Tensor | None, torch.Tensor | None]]
 
 
 @contextlib.contextmanager
-def reference_weights(
-    reference: list[tuple[torch.nn.Parameter, torch.Tensor]] | None, device: torch.device
-) -> Iterator[None]:
+def reference_weights(reference: ReferencePolicy | None) -> Iterator[None]:
     """The parameters hold the reference weights inside the block, the policy's again after it
-    (bit for bit: they wait in host memory, pinned on CUDA).
-
-    Args:
-        reference: (parameter, its reference value in host memory) pairs
-            (``PolicyTrainer._reference``).
-        device: the model's device.
+    (``ReferencePolicy.swapped_in``).
 
     Raises:
         ValueError: without a reference (``reference=False`` at construction).
     """
     if reference is None:
         raise ValueError("this PolicyTrainer holds no reference policy (reference=False)")
-    pin = device.type == "cuda"
-    policy = [host_copy(param, pin) for param, _ in reference]
-    with torch.no_grad():
-        for param, initial in reference:
-            param.copy_(initial, non_blocking=True)
-    try:
+    with reference.swapped_in():
         yield
-    finally:
-        with torch.no_grad():
-            for (param, _), saved in zip(reference, policy, strict=True):
-                param.copy_(saved, non_blocking=True)
 
 
 def replayed(
@@ -82,18 +61,63 @@ def replayed(
     @contextlib.contextmanager
     def session() -> Iterator[None]:
         routes = trainer.routing.routes_for(mb.routes, mb.routes_valid)
-        with trainer.routing.replay({0: routes}, training=training, audit=False):
+        # ids checked on the host when the micro-batch was built (check_sample_routes;
+        # fillers valid by construction): no read-back from the device per session
+        with trainer.routing.replay({0: routes}, training=training, audit=False, ids_checked=True):
             with trainer.routing.micro_batch(0):
                 yield
 
     return session()
 
 
-def stage_replay(trainer: PolicyTrainer, mbs: Sequence[MicroBatch], *, training: bool):
-    """One R3 replay session over all ``mbs`` (this stage's layers of each micro-batch's
-    routes); the schedule's forward step names the micro-batch (``micro_batch(i)``)."""
-    routes = {i: trainer.routing.routes_for(mb.routes, mb.routes_valid) for i, mb in enumerate(mbs)}
-    return trainer.routing.replay(routes, training=training, audit=False)
+class LazyRoutes(Mapping[int, MicroBatchRoutes]):
+    """The replay targets of a pipeline schedule's micro-batches, built one micro-batch at a
+    time: the forward step ``put``s its staged micro-batch, and the routers' first read widens
+    that micro-batch's compact routes (this stage's layers) to int64; the targets of earlier
+    micro-batches are dropped then (a recompute reads its own from the replay ledger). Under PP
+    a step's routes are never all widened at once."""
+
+    def __init__(self, trainer: PolicyTrainer, num_micro_batches: int) -> None:
+        self._trainer = trainer
+        self._count = num_micro_batches
+        self._staged: tuple[int, MicroBatch] | None = None
+        self._built: tuple[int, MicroBatchRoutes] | None = None
+
+    def put(self, index: int, mb: MicroBatch) -> None:
+        """Micro-batch ``index`` (staged on the device) runs next."""
+        self._staged, self._built = (index, mb), None
+
+    def __getitem__(self, index: int) -> MicroBatchRoutes:
+        if self._built is not None and self._built[0] == index:
+            return self._built[1]
+        if self._staged is None or self._staged[0] != index:
+            raise KeyError(f"micro-batch {index} was not staged before its forward")
+        mb = self._staged[1]
+        self._built = (index, self._trainer.routing.routes_for(mb.routes, mb.routes_valid))
+        return self._built[1]
+
+    def __contains__(self, index: object) -> bool:
+        return isinstance(index, int) and 0 <= index < self._count
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self._count))
+
+    def __len__(self) -> int:
+        return self._count
+
+
+def stage_replay(trainer: PolicyTrainer, routes: LazyRoutes, *, training: bool):
+    """One R3 replay session over a schedule's micro-batches (``routes``: their targets, built
+    as each is staged); the schedule's forward step names the micro-batch
+    (``micro_batch(i)``). The ids were checked on the host (see ``replayed``)."""
+    return trainer.routing.replay(routes, training=training, audit=False, ids_checked=True)
+
+
+def stack_counts(counts: dict[int, torch.Tensor], num: int, device) -> torch.Tensor:
+    """float64 [num, 2]: the ``topk_counts`` of micro-batches 0..num-1 (on the device)."""
+    if not num:
+        return torch.zeros(0, 2, dtype=torch.float64, device=device)
+    return torch.stack([counts[i].to(device) for i in range(num)])
 
 
 def layout_of(trainer: PolicyTrainer) -> ShardLayout:
@@ -122,19 +146,16 @@ def no_grad_log_probs(
     """
     trainer.model.eval()
     out = []
-    weights = (
-        reference_weights(trainer._reference, trainer.device)
-        if reference
-        else contextlib.nullcontext()
-    )
+    weights = reference_weights(trainer._reference) if reference else contextlib.nullcontext()
     with weights:
         if trainer.pp_size > 1:
             return pipelined_log_probs(trainer, mbs, replay)
-        for mb in mbs:
-            ctx = replayed(trainer, mb, training=False) if replay else contextlib.nullcontext()
-            with ctx, capture_routing(trainer.model) as used:
-                log_probs = forward_log_probs(trainer.model, mb)
-            out.append((log_probs, topk_agreement(used, mb, layout_of(trainer))))
+        for host_mb in mbs:
+            with staged(host_mb, trainer.device) as mb:
+                ctx = replayed(trainer, mb, training=False) if replay else contextlib.nullcontext()
+                with ctx, capture_routing(trainer.model) as used:
+                    log_probs = forward_log_probs(trainer.model, mb)
+                out.append((log_probs, topk_agreement(used, mb, layout_of(trainer))))
     return out
 
 
@@ -144,22 +165,25 @@ def pipelined_log_probs(trainer: PolicyTrainer, mbs: list[MicroBatch], replay: b
     stage (None on the others); the top-k agreement is summed over the stages' layers and
     is the same on every rank (None for a micro-batch without routes)."""
     layout = layout_of(trainer)
-    counts = torch.zeros(len(mbs), 2, dtype=torch.float64)
+    counts: dict[int, torch.Tensor] = {}
     log_probs: dict[int, torch.Tensor] = {}
+    routes = LazyRoutes(trainer, len(mbs))
 
-    def forward(chunk, mb, i):
-        ctx = trainer.routing.micro_batch(i) if replay else contextlib.nullcontext()
-        with ctx, capture_routing(chunk) as used:
-            output = model_log_probs(chunk, mb)
-        counts[i] = topk_counts(used, mb, layout)
-        if trainer.is_last_stage:
-            log_probs[i] = mb.to_sample_layout(output)
+    def forward(chunk, host_mb, i):
+        with staged(host_mb, trainer.device) as mb:
+            routes.put(i, mb)
+            ctx = trainer.routing.micro_batch(i) if replay else contextlib.nullcontext()
+            with ctx, capture_routing(chunk) as used:
+                output = model_log_probs(chunk, mb)
+            counts[i] = topk_counts(used, mb, layout)
+            if trainer.is_last_stage:
+                log_probs[i] = mb.to_sample_layout(output)
         return output, None
 
-    with stage_replay(trainer, mbs, training=False) if replay else contextlib.nullcontext():
+    with stage_replay(trainer, routes, training=False) if replay else contextlib.nullcontext():
         if mbs:  # (a pipeline without samples: every stage has none, nothing to send)
             run_pipeline_schedule(trainer.model, mbs, forward, forward_only=True)
-    matches = topk_agreements(counts, layout)
+    matches = topk_agreements(stack_counts(counts, len(mbs), trainer.device), layout)
     return [
         (log_probs.get(i), None if mb.routes is None else match)
         for i, (mb, match) in enumerate(zip(mbs, matches, strict=True))

@@ -63,6 +63,7 @@ from megatron_sat.objectives import (
 from megatron_sat.training.loss_reduction import MetricAccumulator, global_sat_quantile
 from megatron_sat.training.pass_plan import PassPlan
 from megatron_sat.training.passes import PassOutput, PassResults
+from megatron_sat.training.staging import stage_tensor
 from megatron_sat.training.step_batch import StepBatch
 from megatron_sat.training.train_pass import LossFn
 
@@ -76,24 +77,26 @@ def sat_global_quantile(
     if not plan.global_quantile:
         return None
     recomputed = objective.ratio_denominator == "recomputed_old"
-    abs_d = [
-        sat_abs_staleness(lp, o if recomputed else mb.rollout_log_probs, mb.loss_mask, objective)
-        for (lp, _), o, mb in zip(
-            passes.trained_routing, passes.old_log_probs, batch.mbs, strict=True
-        )
-    ]
+    abs_d = []
+    for (lp, _), o, mb in zip(passes.trained_routing, passes.old_log_probs, batch.mbs, strict=True):
+        mu = o if recomputed else stage_tensor(mb.rollout_log_probs, batch.device)
+        mask = stage_tensor(mb.loss_mask, batch.device)
+        abs_d.append(sat_abs_staleness(lp, mu, mask, objective))
     return global_sat_quantile(abs_d, objective.sat_alpha, batch.group)
 
 
 def add_live_metrics(acc: MetricAccumulator, batch: StepBatch, live: PassOutput) -> None:
     """Add the live-routing diagnostics of each micro-batch to ``acc``, weighted by its active
     tokens: ``mismatch_abs_logratio_live`` (mean |log pi_live - log mu|) and, with rollout
-    routes, ``topk_match_live``. Rows without log-probs add nothing."""
+    routes, ``topk_match_live``. Rows without log-probs add nothing. No host
+    synchronisation (device tensors into ``acc``)."""
     for mb, (lp, match) in zip(batch.mbs, live, strict=True):
         if lp is None:  # a pipeline stage before the last, or no live pass: no metrics
             continue
-        n = float(mb.loss_mask.sum())
-        diff = ((lp - mb.rollout_log_probs).abs() * mb.loss_mask).sum() / max(n, 1.0)
+        mask = stage_tensor(mb.loss_mask, batch.device)
+        mu = stage_tensor(mb.rollout_log_probs, batch.device)
+        n = mask.sum()
+        diff = ((lp - mu).abs() * mask).sum() / n.clamp_min(1.0)
         live_metrics = {"mismatch_abs_logratio_live": diff}
         if match is not None:  # None: the samples carry no rollout routes
             live_metrics["topk_match_live"] = match
@@ -108,10 +111,10 @@ def policy_loss_fn(
 ) -> LossFn:
     """The training pass's loss of real micro-batch ``i``: ``policy_loss`` with the global
     denominators, the passes' old and reference log-probs, SAT's global quantile (None: the
-    loss computes its own) and the rows' version ages."""
+    loss computes its own) and the rows' version ages (their buckets known on the host)."""
 
-    def loss_of(i: int, log_probs: torch.Tensor, entropy: torch.Tensor | None):
-        mb = batch.mbs[i]
+    def loss_of(i: int, mb, log_probs: torch.Tensor, entropy: torch.Tensor | None):
+        ages = batch.sample_age(i)
         return policy_loss(
             log_probs,
             mb.rollout_log_probs,
@@ -123,8 +126,9 @@ def policy_loss_fn(
             global_num_tokens=batch.num_tokens,
             global_num_seqs=batch.num_seqs,
             sat_quantile=quantile,
-            sample_age=batch.sample_age(i),
+            sample_age=None if ages is None else stage_tensor(ages, mb.advantages.device),
             entropy=entropy,
+            age_buckets=batch.age_buckets(i),
         )
 
     return loss_of

@@ -18,7 +18,7 @@ import torch
 
 from megatron_sat.config import TrainConfig
 from megatron_sat.objectives import INERT_CLIP_WARNING, ObjectiveConfig, recomputed_old_when_stale
-from megatron_sat.platform import have_transformer_engine, to_device
+from megatron_sat.platform import have_transformer_engine
 from megatron_sat.rollout.types import Sample, staleness
 from megatron_sat.training.batching import MicroBatch, build_micro_batch
 from megatron_sat.training.loss_reduction import global_loss_denominators, global_max, group_size
@@ -27,6 +27,7 @@ from megatron_sat.training.micro_batches import (
     token_budget_micro_batches,
 )
 from megatron_sat.training.packing import PackedMicroBatch, dense_packing_rows, pack_rows
+from megatron_sat.training.staging import pin
 
 if TYPE_CHECKING:
     from megatron_sat.training.trainer import PolicyTrainer
@@ -37,7 +38,8 @@ class StepBatch:
     """This rank's share of one step's global batch, ready for the passes.
 
     Attributes:
-        mbs: the real micro-batches (padded or packed), on the trainer's device.
+        mbs: the real micro-batches (padded or packed), in host memory (pinned on CUDA): each
+            pass stages one at a time on the device (``training.staging``).
         forwards: ``mbs`` followed by fillers up to the micro-batch count of the busiest rank
             of this rank's expert group (``with_fillers``): the micro-batches every pass runs.
         rows: per real micro-batch, the positions of its samples in the step's samples.
@@ -65,8 +67,14 @@ class StepBatch:
         return group_size(self.group) > 1 or len(self.mbs) > 1
 
     def sample_age(self, i: int) -> torch.Tensor | None:
-        """[B] int64 version ages of micro-batch ``i``'s rows on the device (``ages_tensor``)."""
-        return to_device(ages_tensor(self.ages, self.rows[i]), self.device)
+        """[B] int64 version ages of micro-batch ``i``'s rows, on the host (``ages_tensor``)."""
+        return ages_tensor(self.ages, self.rows[i])
+
+    def age_buckets(self, i: int) -> list[int]:
+        """The version ages of micro-batch ``i``'s rows with an active token, sorted: every
+        response token is active (``training.batching``), and a sample without one has no
+        age (``sample_ages``). Known on the host, so the age metrics read nothing back."""
+        return sorted({self.ages[p] for p in self.rows[i] if self.ages[p] is not None})
 
 
 def micro_batch_rows(
@@ -98,7 +106,9 @@ def build_micro_batches(
     moe_layers: Sequence[int],
     device: torch.device,
 ) -> list[MicroBatch | PackedMicroBatch]:
-    """One micro-batch per entry of ``rows`` (positions into ``samples``), on ``device``: padded
+    """One micro-batch per entry of ``rows`` (positions into ``samples``), in host memory
+    (pinned when ``device`` is CUDA; ``training.staging`` moves each to ``device`` for its
+    forward): padded
     to a sequence length divisible by ``pad_to_multiple_of`` (padding has no active token and
     causal attention, so it changes no log-prob of a real token), or, without
     transformer-engine, packed with a block mask where that is cheaper
@@ -112,7 +122,7 @@ def build_micro_batches(
         routing_shape: (num_layers, top_k, num_experts) to place the rollout routes, or None.
         pad_to_multiple_of: the TP size under sequence parallelism, else 1.
         moe_layers: the layers with a router, whose routes are checked.
-        device: where the micro-batches go.
+        device: the trainer's device (pinned host memory when CUDA).
 
     Raises:
         ValueError: anything ``build_micro_batch`` / ``pack_rows`` refuses (naming the sample).
@@ -133,7 +143,7 @@ def build_micro_batches(
             out.append(build_micro_batch(chosen, advantages[positions], **kwargs))
         else:
             out.append(pack_rows(chosen, advantages[positions], packed, **kwargs))
-    return [to_device(mb, device) for mb in out]
+    return [pin(mb, device) for mb in out]
 
 
 def filler_micro_batch(
@@ -166,7 +176,7 @@ def filler_micro_batch(
         routing_shape=routing_shape if with_routes else None,
         pad_to_multiple_of=pad_to_multiple_of,
     )
-    return to_device(filler, device)
+    return pin(filler, device)
 
 
 def with_fillers(mbs: list[MicroBatch], make_filler: Callable[[], MicroBatch]) -> list[MicroBatch]:

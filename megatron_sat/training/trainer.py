@@ -28,7 +28,6 @@ from megatron_sat.training.builders import (
     build_model,
     build_optimizer,
     build_transformer_config,
-    reference_copy,
 )
 from megatron_sat.training.loss_reduction import (
     MetricAccumulator,
@@ -38,6 +37,7 @@ from megatron_sat.training.loss_reduction import (
 from megatron_sat.training.optimizer_layout import resolve_optimizer_layout
 from megatron_sat.training.packing import PackedMicroBatch
 from megatron_sat.training.pass_plan import plan_passes
+from megatron_sat.training.reference import ReferencePolicy
 from megatron_sat.training.train_pass import train_pass
 
 
@@ -70,10 +70,11 @@ class PolicyTrainer:
         pad_token_id: token id used for padding.
         reference: also keep a frozen reference policy, the initial weights (``load_from``,
             or the random initialisation), for the k3 KL term of objectives with
-            ``kl_coef > 0``. As in slime, it is this rank's shard of those weights in host
-            memory, swapped into the model for the reference's no-grad forward and swapped out
-            again (the policy's weights wait in host memory meanwhile), so it costs no device
-            memory, only two host<->device copies of the shard per step.
+            ``kl_coef > 0``: this rank's shard of those weights, swapped into the model for the
+            reference's no-grad forward and out again (``training.reference``): in device
+            memory with ``train.reference_on_device`` (no copy per step), else, as in slime,
+            in pinned host memory (three host<->device copies of the shard per step, through
+            buffers allocated once).
 
     Raises:
         ValueError: megatron-core's parallel state was already initialised with other sizes
@@ -106,8 +107,8 @@ class PolicyTrainer:
         self.train_config = train
         self.pad_token_id = pad_token_id
         self.hf_config = hf_config
-        # One device decision (platform.get_device): the model, every micro-batch and the
-        # log-probs live there; the reference policy waits in (pinned, on CUDA) host memory.
+        # One device decision (platform.get_device): the model and the log-probs live there;
+        # micro-batches wait in host memory and are staged one at a time (training.staging).
         self.device = get_device()
         self.optimizer_layout = resolve_optimizer_layout(
             train,
@@ -123,10 +124,11 @@ class PolicyTrainer:
         model = build_model(
             hf_config, self.config, seed=train.seed, device=self.device, load_from=load_from
         )
-        # (parameter, its initial value in host memory): the k3 KL term's reference policy.
-        self._reference: list[tuple[torch.nn.Parameter, torch.Tensor]] | None = None
+        # The k3 KL term's reference policy: the initial weights, on the device or in host
+        # memory (train.reference_on_device; training.reference).
+        self._reference: ReferencePolicy | None = None
         if reference:
-            self._reference = reference_copy(model, self.device)
+            self._reference = ReferencePolicy(model, self.device, train.reference_on_device)
         self.model = build_ddp(self.config, model, self.optimizer_layout)
         self.optimizer = build_optimizer(self.model, train, self.optimizer_layout)
         self.routing_shape = (
@@ -160,7 +162,8 @@ class PolicyTrainer:
         rows: list[list[int]] | None = None,
     ) -> list[MicroBatch | PackedMicroBatch]:
         """Split ``samples`` ([len(samples)] float ``advantages``) into micro-batches on the
-        trainer's device (``rows``, default ``micro_batch_rows``), padded or packed
+        host, pinned on CUDA (``rows``, default ``micro_batch_rows``; each pass stages them on
+        the device one at a time, ``training.staging``), padded or packed
         (``step_batch.build_micro_batches``), with the rollout routes when ``with_routes``.
         The losses' per-sample layout holds the samples in the order of ``rows``."""
         rows = self.micro_batch_rows(samples) if rows is None else rows
@@ -301,7 +304,7 @@ class PolicyTrainer:
         update_ok, grad_norm, _ = self.optimizer.step()
         if not update_ok:
             raise RuntimeError("optimizer step was skipped (non-finite gradients)")
-        metrics = self._from_last_stage(acc.reduce(batch.group))
+        metrics = self._from_last_stage(acc.reduce(batch.group, self.device))
         return policy_step.step_metrics(metrics, batch, grad_norm)
 
     def sft_step(self, samples: Sequence[Sample]) -> dict[str, float]:
@@ -319,12 +322,12 @@ class PolicyTrainer:
         scale = self._loss_scale(group)
         acc = MetricAccumulator()
 
-        def nll(i: int, log_probs: torch.Tensor, _entropy: None) -> tuple[torch.Tensor, dict]:
-            return -(log_probs * mbs[i].loss_mask).sum() / num_tokens, {}
+        def nll(i: int, mb, log_probs: torch.Tensor, _entropy: None) -> tuple[torch.Tensor, dict]:
+            return -(log_probs * mb.loss_mask).sum() / num_tokens, {}
 
         train_pass(self, forwards, len(mbs), nll, acc, scale, replay=False, entropy=False)
         _, grad_norm, _ = self.optimizer.step()
-        loss = self._from_last_stage(acc.reduce(group))["loss"]
+        loss = self._from_last_stage(acc.reduce(group, self.device))["loss"]
         return {"loss": loss, "grad_norm": float(grad_norm)}
 
     # -- weights -------------------------------------------------------------------------
