@@ -301,3 +301,24 @@ def finish_reason_key_sets() -> list[frozenset[str]]:
                 if isinstance(item, ast.FunctionDef) and item.name == "to_json":
                     out += dict_key_sets(item)
     return out
+
+
+@cache
+def weight_versions_module() -> types.ModuleType:
+    """SGLang's ``srt/utils/weight_versions.py`` (``WeightVersionEvent``,
+    ``compute_weight_version_spans``, ``add_weight_versions_to_meta_info``, ...): its source
+    executed verbatim but for its one ``sglang`` import, whose name
+    (``msgspec_struct_pydantic_core_schema``) comes from ``msgspec_utils.py`` loaded from its
+    file."""
+    msgspec_utils = load_module("srt/utils/msgspec_utils.py", "_sglang_ref_msgspec_utils")
+    tree = ast.parse(source("srt/utils/weight_versions.py"))
+    tree.body = [
+        node
+        for node in tree.body
+        if not (isinstance(node, ast.ImportFrom) and (node.module or "").startswith("sglang"))
+    ]
+    module = types.ModuleType("_sglang_ref_weight_versions")
+    module.msgspec_struct_pydantic_core_schema = msgspec_utils.msgspec_struct_pydantic_core_schema
+    sys.modules[module.__name__] = module  # its dataclasses look their module up
+    exec(compile(tree, "srt/utils/weight_versions.py", "exec"), module.__dict__)
+    return module

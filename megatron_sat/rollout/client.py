@@ -40,6 +40,7 @@ from megatron_sat.rollout.sampling import (
     RoutingSpec,
     SamplingParams,
 )
+from megatron_sat.rollout.weight_versions import spans_to_versions
 from megatron_sat.routing.payload import decode_routed_experts
 from megatron_sat.weight_sync.channel import PAUSE_MODES
 
@@ -200,6 +201,7 @@ class SGLangClient(HTTPClient):
             prompt_tokens=int(meta.get("prompt_tokens", prompt_len)),
             completion_tokens=int(meta.get("completion_tokens", len(output_ids))),
             meta_info=meta,
+            output_token_versions=_token_versions(meta, len(output_ids), where),
         )
 
     # ---- status -----------------------------------------------------------------------------
@@ -334,6 +336,23 @@ class SGLangClient(HTTPClient):
         """A weight-update reply with HTTP 400 and ``success: false`` is returned, not raised,
         so the caller can surface the server's message."""
         return response.is_success or _is_success_false(response)
+
+
+def _token_versions(meta: dict[str, Any], num_tokens: int, where: str) -> list[str] | None:
+    """The version of each output token from SGLang 0.5.23's ``meta_info["weight_versions"]``
+    spans (``rollout.weight_versions``); None when the server sends none (an SGLang before
+    the spans), where the request's ``weight_version`` stands for every token.
+
+    Raises:
+        SGLangError: naming the server when the spans do not cover the output tokens.
+    """
+    spans = meta.get("weight_versions")
+    if spans is None:
+        return None
+    try:
+        return spans_to_versions(spans, num_tokens)
+    except (ValueError, KeyError, TypeError) as e:
+        raise SGLangError(f"{where}: weight_versions {spans!r:.300}: {e}") from e
 
 
 def _is_success_false(response: httpx.Response) -> bool:

@@ -24,6 +24,9 @@ from megatron_sat.rollout.vllm import args as vllm_args
 from megatron_sat.rollout.vllm.client import VLLMClient
 from megatron_sat.rollout.vllm.fleet import VLLMFleet
 
+# A client's timeout when none is given (``rollout.request_timeout_s``'s default), seconds.
+DEFAULT_TIMEOUT_S = 3600.0
+
 
 @dataclass(frozen=True)
 class ServerStart:
@@ -73,7 +76,8 @@ class EngineSpec:
     """One rollout engine.
 
     Attributes:
-        client: the client of a running server, ``(url, keys) -> RolloutClient``.
+        client: the client of a running server, ``(url, keys, timeout_s) -> RolloutClient``
+            (``timeout_s``: ``rollout.request_timeout_s``; default ``DEFAULT_TIMEOUT_S``).
         fleet: the fleet class over its servers (its ``updater_cls`` is the weight push).
         servers: the ``launch.rollout_engine`` values that start servers speaking its API.
         embedded: whether it can run on embedded CPU servers started by the trainer (no
@@ -82,22 +86,30 @@ class EngineSpec:
             (``weight_sync.megatron_push``; ``training.stage_senders``).
     """
 
-    client: Callable[[str, ServerKeys | None], RolloutClient]
+    client: Callable[..., RolloutClient]
     fleet: type[RolloutFleet]
     servers: Mapping[str, ServerLaunch] = field(default_factory=dict)
     embedded: bool = False
     per_stage_push: bool = False
 
     def fleet_from_urls(
-        self, urls: Sequence[str], keys: ServerKeys | None, **kwargs: Any
+        self,
+        urls: Sequence[str],
+        keys: ServerKeys | None,
+        *,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        **kwargs: Any,
     ) -> RolloutFleet:
-        """A fleet over running servers (reported, never restarted, when they die)."""
-        return self.fleet([self.client(url, keys) for url in urls], **kwargs)
+        """A fleet over running servers (reported, never restarted, when they die); every
+        client's calls time out after ``timeout_s`` seconds."""
+        return self.fleet([self.client(url, keys, timeout_s) for url in urls], **kwargs)
 
 
 ENGINES: dict[str, EngineSpec] = {
     "sglang": EngineSpec(
-        client=lambda url, keys: SGLangClient(url, keys=keys),
+        client=lambda url, keys, timeout_s=DEFAULT_TIMEOUT_S: SGLangClient(
+            url, timeout_s, keys=keys
+        ),
         fleet=RolloutFleet,
         servers={
             "sglang": ServerLaunch(sglang_args.launch_args, plan_flags=sglang_args.plan_flags),
@@ -108,7 +120,9 @@ ENGINES: dict[str, EngineSpec] = {
     ),
     "vllm": EngineSpec(
         # vLLM has one key level: its --api-key (VLLM_API_KEY).
-        client=lambda url, keys: VLLMClient(url, api_key=None if keys is None else keys.api_key),
+        client=lambda url, keys, timeout_s=DEFAULT_TIMEOUT_S: VLLMClient(
+            url, timeout_s, api_key=None if keys is None else keys.api_key
+        ),
         fleet=VLLMFleet,
         servers={
             "vllm": ServerLaunch(

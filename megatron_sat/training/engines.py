@@ -30,7 +30,8 @@ def rollout_clients(cfg: RunConfig) -> Iterator[list[SGLangClient]]:
     embedded CPU servers when no URL is given."""
     if cfg.rollout.server_urls:
         keys = server_keys(cfg)
-        clients = [SGLangClient(url, keys=keys) for url in cfg.rollout.server_urls]
+        timeout = cfg.rollout.request_timeout_s
+        clients = [SGLangClient(url, timeout, keys=keys) for url in cfg.rollout.server_urls]
         yield clients
         return
     with contextlib.ExitStack() as stack:
@@ -42,11 +43,12 @@ def rollout_clients(cfg: RunConfig) -> Iterator[list[SGLangClient]]:
                     dtype=cfg.rollout.dtype,
                     enable_return_routed_experts=True,
                     max_running_requests=cfg.rollout.prompts_per_step * cfg.rollout.group_size,
+                    client_timeout_s=cfg.rollout.request_timeout_s,
                 )
             )
             for i in range(cfg.rollout.num_embedded_servers)
         ]
-        yield [SGLangClient(server.url) for server in servers]
+        yield [server.client() for server in servers]
 
 
 def rollout_fleet(cfg: RunConfig) -> RolloutFleet:
@@ -60,7 +62,10 @@ def rollout_fleet(cfg: RunConfig) -> RolloutFleet:
     spec = ENGINES[cfg.rollout.engine]
     if cfg.rollout.server_urls or not spec.embedded:
         return spec.fleet_from_urls(
-            cfg.rollout.server_urls, server_keys(cfg), updater_options=options
+            cfg.rollout.server_urls,
+            server_keys(cfg),
+            timeout_s=cfg.rollout.request_timeout_s,
+            updater_options=options,
         )
     return spec.fleet.embedded(
         cfg.init_checkpoint,
@@ -70,6 +75,7 @@ def rollout_fleet(cfg: RunConfig) -> RolloutFleet:
             "dtype": cfg.rollout.dtype,
             "enable_return_routed_experts": True,
             "max_running_requests": cfg.rollout.prompts_per_step * cfg.rollout.group_size,
+            "client_timeout_s": cfg.rollout.request_timeout_s,
         },
         updater_options=options,
     )

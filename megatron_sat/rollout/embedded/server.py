@@ -82,6 +82,7 @@ import threading
 import time
 import uuid
 from collections import deque
+from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -206,12 +207,17 @@ class _Scheduler:
         self._abort = threading.Event()
         # Changed only under model_lock, so a batch reads the version its weights carry.
         self.weight_version = "default"  # SGLang's default --weight-version
+        # The running batch's decode steps and its weight-update events (old version, tokens
+        # per request then): a push lands inside a batch only in an "in_place" pause.
+        self._steps = 0
+        self._events: list[tuple[str, int]] = []
         threading.Thread(target=self._loop, name="generation", daemon=True).start()
 
     def submit(self, requests: list[EngineRequest]) -> list[Future]:
         """Queue requests in chunks of at most ``max_running_requests``; one future per chunk.
 
-        Each future resolves to (outputs of its chunk, weight_version the chunk ran under).
+        Each future resolves to (outputs of its chunk, weight_version when it finished, the
+        weight-update events of its batch: (old version, tokens per request then)).
         """
         size = self.max_running_requests
         works = [_Work(requests[i : i + size]) for i in range(0, len(requests), size)]
@@ -250,6 +256,7 @@ class _Scheduler:
         """Polled by the engine between decode steps: True aborts the batch; in an "in_place"
         pause the batch waits here, without the model lock, until resumed or aborted."""
         _crash_hook()
+        self._steps += 1  # every live request of the (lockstep) batch has this many tokens
         if self._abort.is_set():
             return True
         with self._cond:
@@ -257,6 +264,7 @@ class _Scheduler:
                 return False
             self._suspended = True
             self._cond.notify_all()
+        old_version = self.weight_version
         self.model_lock.release()
         try:
             with self._cond:
@@ -265,6 +273,8 @@ class _Scheduler:
                 self._suspended = False
         finally:
             self.model_lock.acquire()
+        if self.weight_version != old_version:  # SGLang's record_weight_version_events
+            self._events.append((old_version, self._steps))
         return self._abort.is_set()
 
     def abort_all(self) -> None:
@@ -275,7 +285,7 @@ class _Scheduler:
             self._abort.set()
             self._cond.notify_all()  # wakes a batch suspended in place
         for work in aborted:
-            work.future.set_result(([_aborted(r) for r in work.requests], self.weight_version))
+            work.future.set_result(([_aborted(r) for r in work.requests], self.weight_version, []))
         with self._cond:
             while self._running:
                 self._cond.wait()
@@ -296,6 +306,7 @@ class _Scheduler:
                     batch.append(self._pending.popleft())
                 self._running = size
                 self.model_lock.acquire()
+                self._steps, self._events = 0, []
             try:
                 self._run(batch)
             finally:
@@ -319,7 +330,7 @@ class _Scheduler:
             answered.add(w)
             mine = outputs[starts[w] : starts[w] + len(batch[w].requests)]
             # weight_version cannot change while this thread holds model_lock.
-            batch[w].future.set_result((mine, self.weight_version))
+            batch[w].future.set_result((mine, self.weight_version, list(self._events)))
 
         def on_finish(b: int, output: EngineOutput) -> None:
             outputs[b] = output
@@ -340,6 +351,28 @@ class _Scheduler:
         for w in range(len(batch)):
             if w not in answered:
                 answer(w)
+
+
+def version_spans(
+    events: Sequence[tuple[str, int]], current: str, num_tokens: int
+) -> list[dict[str, Any]]:
+    """SGLang 0.5.23's ``weight_versions`` of an output of ``num_tokens`` tokens (as its
+    ``compute_weight_version_spans`` then ``add_weight_versions_to_meta_info``,
+    ``srt/utils/weight_versions.py``): each event ``(old version, n)`` says the first ``n``
+    tokens (at most) came from ``old version``; later tokens from the next event's, the last
+    ones from ``current``. Consecutive equal versions merge; no tokens gives ``[current, 0, 0)``.
+    """
+    changes = [(old, min(n, num_tokens)) for old, n in events] + [(current, num_tokens)]
+    spans: list[dict[str, Any]] = []
+    for version, end in changes:
+        start = spans[-1]["end"] if spans else 0
+        if spans and end <= start:
+            continue
+        if spans and spans[-1]["version"] == version:
+            spans[-1]["end"] = end
+        else:
+            spans.append({"version": version, "start": start, "end": end})
+    return spans
 
 
 def _aborted(request: EngineRequest) -> EngineOutput:
@@ -418,9 +451,16 @@ class ServerState:
         return requests, is_batch
 
     def render(
-        self, body: dict[str, Any], req: EngineRequest, out: EngineOutput, weight_version: str
+        self,
+        body: dict[str, Any],
+        req: EngineRequest,
+        out: EngineOutput,
+        weight_version: str,
+        events: Sequence[tuple[str, int]] = (),
     ) -> dict:
-        """One SGLang /generate output object."""
+        """One SGLang /generate output object; ``events``: the batch's weight updates (old
+        version, tokens per request then), which make its ``weight_versions`` spans."""
+        spans = version_spans(events, weight_version, len(out.output_ids))
         finish: dict[str, Any]
         if out.finish_reason == "stop":
             finish = {"type": "stop", "matched": out.matched_stop}
@@ -434,7 +474,10 @@ class ServerState:
             "prompt_tokens": len(req.input_ids),
             "completion_tokens": len(out.output_ids),
             "cached_tokens": 0,
-            "weight_version": weight_version,
+            # SGLang 0.5.23 (utils/weight_versions.py, add_weight_versions_to_meta_info): the
+            # spans of every finished or aborted output, and the last span's version.
+            "weight_versions": spans,
+            "weight_version": spans[-1]["version"],
         }
         if body.get("return_logprob"):
             meta["output_token_logprobs"] = [
@@ -641,10 +684,10 @@ def create_app(state: ServerState) -> FastAPI:
             chunks = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
         except Exception as e:  # the engine failed; the log has the traceback
             return JSONResponse({"error": {"message": f"generation failed: {e!r}"}}, 500)
-        outputs = [(out, version) for chunk, version in chunks for out in chunk]
+        outputs = [(out, version, events) for chunk, version, events in chunks for out in chunk]
         rendered = [
-            state.render(body, r, o, version)
-            for r, (o, version) in zip(requests, outputs, strict=True)
+            state.render(body, r, o, version, events)
+            for r, (o, version, events) in zip(requests, outputs, strict=True)
         ]
         return JSONResponse(rendered if is_batch else rendered[0])
 

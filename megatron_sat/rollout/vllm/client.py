@@ -48,6 +48,7 @@ from megatron_sat.rollout.engine import (
     prompt_batch,
 )
 from megatron_sat.rollout.sampling import GenerateOutput, RoutingSpec, SamplingParams
+from megatron_sat.rollout.weight_versions import spans_to_versions
 from megatron_sat.weight_sync.channel import PAUSE_MODES
 
 # vLLM's pause modes (vllm/v1/engine PauseMode).
@@ -365,23 +366,6 @@ def token_versions(output: GenerateOutput) -> list[str]:
         ValueError: when the output has no spans covering its tokens.
     """
     return spans_to_versions(output.meta_info.get("weight_versions") or [], len(output.output_ids))
-
-
-def spans_to_versions(spans: Sequence[dict[str, Any]], num_tokens: int) -> list[str]:
-    """vLLM's ``weight_versions`` spans (``{"version", "start", "end"}``, ``[start, end)``
-    over the output tokens, in order) as one version per token.
-
-    Raises:
-        ValueError: when the spans are not contiguous from 0 or do not cover ``num_tokens``.
-    """
-    versions: list[str] = []
-    for span in spans:
-        if span["start"] != len(versions) or span["end"] < span["start"]:
-            raise ValueError(f"weight_versions spans are not contiguous: {span}")
-        versions += [str(span["version"])] * (span["end"] - span["start"])
-    if len(versions) != num_tokens:
-        raise ValueError(f"spans cover {len(versions)} of {num_tokens} tokens")
-    return versions
 
 
 def _span_versions(spans: Sequence[dict[str, Any]], num_tokens: int, where: str) -> list[str]:
