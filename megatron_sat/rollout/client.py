@@ -73,6 +73,8 @@ class SGLangClient(HTTPClient):
         timeout_s: timeout of every HTTP call, seconds (generation included).
         max_retries: extra attempts of idempotent calls on connection errors / HTTP 503.
         retry_backoff_s: sleep before the first retry, doubled after each.
+        paused_timeout_s: how long a call waits for a paused server to resume, seconds
+            (``rollout.engine``); None = ``timeout_s``.
         keys: the server's API / admin API keys (SGLang's ``--api-key``, ``--admin-api-key``);
             None for a server started without keys.
     """
@@ -85,9 +87,14 @@ class SGLangClient(HTTPClient):
         max_retries: int = 3,
         retry_backoff_s: float = 0.5,
         keys: ServerKeys | None = None,
+        paused_timeout_s: float | None = None,
     ) -> None:
         super().__init__(
-            base_url, timeout_s, max_retries=max_retries, retry_backoff_s=retry_backoff_s
+            base_url,
+            timeout_s,
+            max_retries=max_retries,
+            retry_backoff_s=retry_backoff_s,
+            paused_timeout_s=paused_timeout_s,
         )
         self.keys = keys or ServerKeys()
 

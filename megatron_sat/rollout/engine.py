@@ -99,7 +99,7 @@ VLLM_PAUSED_MESSAGE = "Generation is paused. Please retry after it resumes."
 PAUSED_POLL_S = 0.2
 # Cap of the doubling back-off between retries, seconds.
 MAX_BACKOFF_S = 30.0
-# Timeout of the liveness probe after a timed-out call, seconds.
+# Timeout of the liveness probe after a timed-out call (at most the call's own), seconds.
 LIVENESS_TIMEOUT_S = 30.0
 
 
@@ -346,7 +346,7 @@ class HTTPClient:
             retry_on=self.retry_on,
             error=self.error,
             request_error=self.request_error,
-            alive=(lambda: self.alive(LIVENESS_TIMEOUT_S)) if retry else None,
+            alive=(lambda: self.alive(min(LIVENESS_TIMEOUT_S, self.timeout_s))) if retry else None,
             paused_timeout_s=self.paused_timeout_s if retry else 0.0,
         )
 

@@ -95,6 +95,8 @@ class VLLMClient(HTTPClient):
         timeout_s: timeout of every HTTP call, seconds (generation included).
         max_retries: extra attempts of idempotent calls on connection errors / HTTP 503.
         retry_backoff_s: sleep before the first retry, doubled after each.
+        paused_timeout_s: how long a call refused by a paused server (vLLM >= 0.33: HTTP 503)
+            waits for it to resume, seconds (``rollout.engine``); None = ``timeout_s``.
         max_concurrency: requests of one batch in flight at once (vLLM batches them).
         api_key: sent as ``Authorization: Bearer`` (vLLM's ``--api-key``), or None.
     """
@@ -114,6 +116,7 @@ class VLLMClient(HTTPClient):
         retry_backoff_s: float = 0.5,
         max_concurrency: int = 64,
         api_key: str | None = None,
+        paused_timeout_s: float | None = None,
     ) -> None:
         if max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
@@ -122,6 +125,7 @@ class VLLMClient(HTTPClient):
             timeout_s,
             max_retries=max_retries,
             retry_backoff_s=retry_backoff_s,
+            paused_timeout_s=paused_timeout_s,
             headers={"Authorization": f"Bearer {api_key}"} if api_key else None,
             limits=httpx.Limits(max_connections=max_concurrency + 4),
         )
