@@ -322,3 +322,37 @@ def weight_versions_module() -> types.ModuleType:
     sys.modules[module.__name__] = module  # its dataclasses look their module up
     exec(compile(tree, "srt/utils/weight_versions.py", "exec"), module.__dict__)
     return module
+
+
+@cache
+def cli_flags() -> dict[str, tuple[str, ...]]:
+    """Every ``ServerArgs`` field's command-line spellings in SGLang 0.5.23, read from the field
+    declarations (``srt/arg_groups/fields/*.py``) as ``arg_groups/arg_utils.py``
+    ``add_cli_args_from_dataclass`` registers them: ``cli_name`` or ``--`` + the field name with
+    ``-`` for ``_``, then the ``aliases``; fields with ``no_cli=True`` or without an ``Arg`` /
+    help string have none. ``--config`` is added by ``server_args.py`` itself."""
+    flags: dict[str, tuple[str, ...]] = {}
+    for path in sorted((ensure_sglang() / "srt/arg_groups/fields").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
+                continue
+            ann = node.annotation
+            if not (isinstance(ann, ast.Subscript) and isinstance(ann.slice, ast.Tuple)):
+                continue
+            meta = ann.slice.elts[1] if len(ann.slice.elts) > 1 else None
+            name, aliases = "--" + node.target.id.replace("_", "-"), []
+            if isinstance(meta, ast.Call) and getattr(meta.func, "id", None) == "Arg":
+                options = {k.arg: k.value for k in meta.keywords}
+                if "no_cli" in options and ast.literal_eval(options["no_cli"]):
+                    continue
+                if "cli_name" in options:
+                    name = ast.literal_eval(options["cli_name"])
+                if "aliases" in options:
+                    aliases = list(ast.literal_eval(options["aliases"]))
+            elif not (isinstance(meta, ast.Constant) and isinstance(meta.value, str)):
+                continue
+            flags[node.target.id] = (name, *aliases)
+    if "add_argument(\n            \"--config\"" not in source("srt/server_args.py"):
+        raise AssertionError("srt/server_args.py no longer adds --config as it did")
+    flags["config"] = ("--config",)
+    return flags

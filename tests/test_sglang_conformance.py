@@ -330,7 +330,13 @@ def test_embedded_responses_have_sglang_fields(app):
     constants = ref.string_constants("srt/managers/tokenizer_manager.py")
     assert set(gen) == {"output_ids", "meta_info"} and set(gen) <= constants
     meta = gen["meta_info"]
+    # The tokenizer manager's keys, and the spans' (srt/utils/weight_versions.py
+    # add_weight_versions_to_meta_info, which it calls).
+    constants |= ref.string_constants("srt/utils/weight_versions.py")
     assert set(meta) <= constants, sorted(set(meta) - constants)
+    assert meta["weight_versions"] == [
+        {"version": meta["weight_version"], "start": 0, "end": len(gen["output_ids"])}
+    ]
     assert frozenset(meta["finish_reason"]) in ref.finish_reason_key_sets()
     logprob, token, text = meta["output_token_logprobs"][0]
     assert isinstance(logprob, float) and isinstance(token, int) and text is None

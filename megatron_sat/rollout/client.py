@@ -231,6 +231,14 @@ class SGLangClient(HTTPClient):
             raise SGLangError(f"{self.base_url}/model_info: no weight_version in {info!r:.300}")
         return str(info["weight_version"])
 
+    def get_server_info(self) -> dict[str, Any]:
+        """GET /server_info: the server's resolved start-up arguments (``ServerArgs`` fields
+        such as ``enable_deterministic_inference``, ``dp_size``) and live state."""
+        info = self._request("GET", "/server_info", None, retry=True).json()
+        if not isinstance(info, dict):
+            raise SGLangError(f"{self.base_url}/server_info: not an object: {info!r:.300}")
+        return info
+
     # ---- generation control -----------------------------------------------------------------
 
     def pause_generation(self, mode: str = "abort") -> None:

@@ -58,8 +58,10 @@ class ServerLaunch:
     Attributes:
         args: the server's argv after its interpreter.
         python: the interpreter's shell variable, set by the script's preamble.
-        preamble: extra preamble lines ``(vllm_python, uses_keys) -> lines`` (its own
+        preamble: extra preamble lines ``(env_python, uses_keys) -> lines`` (its own
             environment, its key), or None.
+        env_python: the ``RenderContext`` field holding the interpreter of the server's own
+            environment that ``preamble`` gets (``sglang_python``, ``vllm_python``), or None.
         mpirun_env: variables mpirun must hand a remote server (``-x``).
         plan_flags: what the printed plan shows of the server's flags.
     """
@@ -67,6 +69,7 @@ class ServerLaunch:
     args: Callable[[LaunchConfig, ServerStart], list[str]]
     python: str = '"$PY"'
     preamble: Callable[[str | None, bool], list[str]] | None = None
+    env_python: str | None = None
     mpirun_env: tuple[str, ...] = ()
     plan_flags: Callable[[LaunchConfig], str] = lambda launch: ""
 
@@ -112,7 +115,13 @@ ENGINES: dict[str, EngineSpec] = {
         ),
         fleet=RolloutFleet,
         servers={
-            "sglang": ServerLaunch(sglang_args.launch_args, plan_flags=sglang_args.plan_flags),
+            "sglang": ServerLaunch(
+                sglang_args.launch_args,
+                python='"$SGLANG_PY"',
+                preamble=sglang_args.launch_preamble,
+                env_python="sglang_python",
+                plan_flags=sglang_args.plan_flags,
+            ),
             "embedded": ServerLaunch(embedded_args.launch_args),
         },
         embedded=True,
@@ -129,6 +138,7 @@ ENGINES: dict[str, EngineSpec] = {
                 vllm_args.launch_args,
                 python='"$VLLM_PY"',
                 preamble=vllm_args.launch_preamble,
+                env_python="vllm_python",
                 mpirun_env=vllm_args.MPIRUN_ENV,
             )
         },

@@ -14,6 +14,7 @@ from megatron_sat.rollout.client import SGLangClient
 from megatron_sat.rollout.embedded.launch import EmbeddedServer
 from megatron_sat.rollout.engines import ENGINES
 from megatron_sat.rollout.fleet import RolloutFleet
+from megatron_sat.rollout.sglang.server_info import server_flag_errors
 from megatron_sat.weight_sync.options import weight_sync_options
 
 
@@ -61,12 +62,19 @@ def rollout_fleet(cfg: RunConfig) -> RolloutFleet:
     options = sync_options(cfg, len(cfg.rollout.server_urls) or cfg.rollout.num_embedded_servers)
     spec = ENGINES[cfg.rollout.engine]
     if cfg.rollout.server_urls or not spec.embedded:
-        return spec.fleet_from_urls(
+        fleet = spec.fleet_from_urls(
             cfg.rollout.server_urls,
             server_keys(cfg),
             timeout_s=cfg.rollout.request_timeout_s,
             updater_options=options,
         )
+        if cfg.rollout.engine == "sglang":
+            try:
+                check_sglang_servers(fleet.clients, cfg)
+            except BaseException:
+                fleet.close()
+                raise
+        return fleet
     return spec.fleet.embedded(
         cfg.init_checkpoint,
         cfg.rollout.num_embedded_servers,
@@ -79,6 +87,27 @@ def rollout_fleet(cfg: RunConfig) -> RolloutFleet:
         },
         updater_options=options,
     )
+
+
+def check_sglang_servers(clients: list[SGLangClient], cfg: RunConfig) -> None:
+    """Refuse SGLang servers given by URL that were started without what the run needs
+    (``rollout.sglang.server_info``), read from each one's ``/server_info``.
+
+    Raises:
+        ValueError: naming every server and the flag it lacks.
+    """
+    problems = []
+    for client in clients:
+        errors = server_flag_errors(
+            client.get_server_info(),
+            deterministic=cfg.rollout.clock_tokens > 0,
+            routed_experts=cfg.rollout.return_routed_experts,
+        )
+        problems += [f"  {client.base_url}: {error}" for error in errors]
+    if problems:
+        raise ValueError(
+            "rollout.server_urls: SGLang servers unfit for this run:\n" + "\n".join(problems)
+        )
 
 
 def sync_options(cfg: RunConfig, num_servers: int) -> dict:

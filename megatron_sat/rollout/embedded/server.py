@@ -8,6 +8,7 @@ spelled as ``sglang.launch_server``'s; ``--config`` is SGLang's YAML of flags, h
 
 Endpoints and JSON as sglang 0.5.23 (``srt/entrypoints/http_server.py``, ``io_struct.py``):
 ``/health`` and ``/health_generate``, ``/ready``, ``/model_info`` (carries ``weight_version``),
+``/server_info`` and ``/get_server_info`` (the start-up flags a trainer checks),
 ``/generate`` (token ids in, token ids out, as SGLang with ``--skip-tokenizer-init``: no
 ``text``), ``/flush_cache``, ``/pause_generation``, ``/continue_generation``,
 ``/init_weights_update_group``, ``/destroy_weights_update_group``, ``/begin_weight_update``,
@@ -670,6 +671,28 @@ def create_app(state: ServerState) -> FastAPI:
             "weight_version": state.scheduler.weight_version,
             "architectures": state.engine.model.config.architectures,
             "model_type": state.engine.model.config.model_type,
+        }
+
+    @app.get("/server_info")
+    @app.get("/get_server_info")
+    async def server_info() -> dict:
+        # SGLang 0.5.23's reply is ServerArgs.resolved_dict() plus live state; these are the
+        # fields of it a trainer reads (rollout.sglang.server_info). This server always honours
+        # sampling_seed (SGLang only with --enable-deterministic-inference) and is one process.
+        c = state.config
+        return {
+            "model_path": c.model_path,
+            "host": c.host,
+            "port": c.port,
+            "random_seed": c.random_seed,
+            "dtype": c.dtype,
+            "tp_size": 1,
+            "dp_size": 1,
+            "pp_size": 1,
+            "enable_return_routed_experts": c.enable_return_routed_experts,
+            "enable_deterministic_inference": True,
+            "max_running_requests": c.max_running_requests,
+            "weight_version": state.scheduler.weight_version,
         }
 
     @app.api_route("/generate", methods=["POST", "PUT"])
