@@ -352,7 +352,7 @@ def cli_flags() -> dict[str, tuple[str, ...]]:
             elif not (isinstance(meta, ast.Constant) and isinstance(meta.value, str)):
                 continue
             flags[node.target.id] = (name, *aliases)
-    if "add_argument(\n            \"--config\"" not in source("srt/server_args.py"):
+    if 'add_argument(\n            "--config"' not in source("srt/server_args.py"):
         raise AssertionError("srt/server_args.py no longer adds --config as it did")
     flags["config"] = ("--config",)
     return flags

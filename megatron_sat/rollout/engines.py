@@ -87,6 +87,8 @@ class EngineSpec:
             ``rollout.server_urls``).
         per_stage_push: whether its updater supports one sender per pipeline stage
             (``weight_sync.megatron_push``; ``training.stage_senders``).
+        single_sender_reason: without ``per_stage_push``, why the engine cannot take one
+            sender per stage (its runs at PP > 1 push rank 0's gathered export, and say why).
     """
 
     client: Callable[..., RolloutClient]
@@ -94,6 +96,7 @@ class EngineSpec:
     servers: Mapping[str, ServerLaunch] = field(default_factory=dict)
     embedded: bool = False
     per_stage_push: bool = False
+    single_sender_reason: str = ""
 
     def fleet_from_urls(
         self,
@@ -107,6 +110,20 @@ class EngineSpec:
         client's calls time out after ``timeout_s`` seconds."""
         return self.fleet([self.client(url, keys, timeout_s) for url in urls], **kwargs)
 
+
+# vLLM 0.32-0.34's weight transfer takes one sender per server: a worker holds one
+# weight-transfer engine with one group (v1/worker/gpu_worker.py: self.weight_transfer_engine;
+# distributed/weight_transfer/nccl_engine.py init_transfer_engine replaces
+# self.model_update_group), every bucket is broadcast from group rank 0 (receive_weights:
+# src=0), and vLLM 0.33's NCCL trainer engine refuses a parameter whose first owner is not rank 0
+# ("NCCL broadcast has a single sender, rank 0"). Per-stage groups would each replace the last.
+VLLM_SINGLE_SENDER = (
+    "vLLM's weight transfer takes one sender per server (one transfer engine and group per "
+    "worker, every bucket broadcast from rank 0: vllm/distributed/weight_transfer/"
+    "nccl_engine.py, 'NCCL broadcast has a single sender, rank 0'), so the pipeline stages "
+    "cannot each push their own layers; trainer rank 0 gathers every stage's layers and "
+    "pushes them, one tensor at a time"
+)
 
 ENGINES: dict[str, EngineSpec] = {
     "sglang": EngineSpec(
@@ -133,6 +150,7 @@ ENGINES: dict[str, EngineSpec] = {
             url, timeout_s, api_key=None if keys is None else keys.api_key
         ),
         fleet=VLLMFleet,
+        single_sender_reason=VLLM_SINGLE_SENDER,
         servers={
             "vllm": ServerLaunch(
                 vllm_args.launch_args,
