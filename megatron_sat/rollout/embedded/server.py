@@ -451,6 +451,51 @@ class ServerState:
                 )
         return requests, is_batch
 
+    def model_info(self) -> dict[str, Any]:
+        """``/model_info`` (SGLang's fields; answered at once, paused or not)."""
+        return {
+            "model_path": self.config.model_path,
+            "is_generation": True,
+            "weight_version": self.scheduler.weight_version,
+            "architectures": self.engine.model.config.architectures,
+            "model_type": self.engine.model.config.model_type,
+        }
+
+    def server_info(self) -> dict[str, Any]:
+        """``/server_info``: SGLang 0.5.23 answers ``ServerArgs.resolved_dict()`` plus live
+        state; these are the fields of it a trainer reads (``rollout.sglang.server_info``).
+        This server always honours ``sampling_seed`` (SGLang only with
+        ``--enable-deterministic-inference``) and is one process (no TP, DP or PP)."""
+        c = self.config
+        return {
+            "model_path": c.model_path,
+            "host": c.host,
+            "port": c.port,
+            "random_seed": c.random_seed,
+            "dtype": c.dtype,
+            "tp_size": 1,
+            "dp_size": 1,
+            "pp_size": 1,
+            "enable_return_routed_experts": c.enable_return_routed_experts,
+            "enable_deterministic_inference": True,
+            "max_running_requests": c.max_running_requests,
+            "weight_version": self.scheduler.weight_version,
+        }
+
+    def render_all(
+        self,
+        body: dict[str, Any],
+        requests: list[EngineRequest],
+        chunks: Sequence[tuple[list[EngineOutput], str, list[tuple[str, int]]]],
+    ) -> list[dict]:
+        """The /generate output objects of ``requests``, from the scheduler's chunks
+        (outputs, weight_version, weight-update events: ``_Scheduler.submit``)."""
+        outputs = [(out, version, events) for chunk, version, events in chunks for out in chunk]
+        return [
+            self.render(body, r, o, version, events)
+            for r, (o, version, events) in zip(requests, outputs, strict=True)
+        ]
+
     def render(
         self,
         body: dict[str, Any],
@@ -665,35 +710,12 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/model_info")
     async def model_info() -> dict:
-        return {
-            "model_path": state.config.model_path,
-            "is_generation": True,
-            "weight_version": state.scheduler.weight_version,
-            "architectures": state.engine.model.config.architectures,
-            "model_type": state.engine.model.config.model_type,
-        }
+        return state.model_info()
 
     @app.get("/server_info")
     @app.get("/get_server_info")
     async def server_info() -> dict:
-        # SGLang 0.5.23's reply is ServerArgs.resolved_dict() plus live state; these are the
-        # fields of it a trainer reads (rollout.sglang.server_info). This server always honours
-        # sampling_seed (SGLang only with --enable-deterministic-inference) and is one process.
-        c = state.config
-        return {
-            "model_path": c.model_path,
-            "host": c.host,
-            "port": c.port,
-            "random_seed": c.random_seed,
-            "dtype": c.dtype,
-            "tp_size": 1,
-            "dp_size": 1,
-            "pp_size": 1,
-            "enable_return_routed_experts": c.enable_return_routed_experts,
-            "enable_deterministic_inference": True,
-            "max_running_requests": c.max_running_requests,
-            "weight_version": state.scheduler.weight_version,
-        }
+        return state.server_info()
 
     @app.api_route("/generate", methods=["POST", "PUT"])
     async def generate(request: Request) -> Response:
@@ -707,11 +729,7 @@ def create_app(state: ServerState) -> FastAPI:
             chunks = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
         except Exception as e:  # the engine failed; the log has the traceback
             return JSONResponse({"error": {"message": f"generation failed: {e!r}"}}, 500)
-        outputs = [(out, version, events) for chunk, version, events in chunks for out in chunk]
-        rendered = [
-            state.render(body, r, o, version, events)
-            for r, (o, version, events) in zip(requests, outputs, strict=True)
-        ]
+        rendered = state.render_all(body, requests, chunks)
         return JSONResponse(rendered if is_batch else rendered[0])
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
