@@ -356,3 +356,14 @@ def cli_flags() -> dict[str, tuple[str, ...]]:
         raise AssertionError("srt/server_args.py no longer adds --config as it did")
     flags["config"] = ("--config",)
     return flags
+
+
+def function(relative: str, name: str, namespace: dict[str, Any]):
+    """One top-level function of an sglang file, its source executed verbatim in
+    ``namespace`` (which must supply the names it uses: nothing of sglang is imported)."""
+    tree = ast.parse(source(relative))
+    (node,) = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name]
+    code = compile(ast.Module(body=[node], type_ignores=[]), relative, "exec")
+    scope = dict(namespace)
+    exec(code, scope)
+    return scope[name]
