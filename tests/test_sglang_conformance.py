@@ -129,6 +129,7 @@ def client_calls() -> list[tuple[str, str, object, str | None]]:
     client.generate([3, 4, 5], sampling, routing=ROUTING, routed_experts_start_len=1)
     client.generate([3, 4, 5], sampling, return_logprob=True)
     client.get_weight_version()
+    client.get_server_info()
     for mode in ("abort", "retract", "in_place"):
         client.pause_generation(mode)
     client.continue_generation()
@@ -238,6 +239,7 @@ def test_client_request_bodies_validate_against_sglang_models(client_calls):
         "/health",  # GET without body, sent outside _request (checked by rule 2)
         "/health_generate",
         "/ready",
+        "/get_server_info",  # /server_info's deprecated alias, served by the embedded server
     }
     for method, endpoint, body, _ in client_calls:
         _check_body(method, endpoint, body)
@@ -451,6 +453,8 @@ HARMLESS = {
     "/health_generate": ("GET", None),
     "/ready": ("GET", None),
     "/model_info": ("GET", None),
+    "/server_info": ("GET", None),
+    "/get_server_info": ("GET", None),
     "/generate": ("POST", {}),
     "/flush_cache": ("POST", None),
     "/pause_generation": ("POST", {"mode": "no-such-mode"}),
