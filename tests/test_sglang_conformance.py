@@ -586,6 +586,58 @@ def test_flush_cache_refused_while_requests_run_in_place(app, state):
     assert (done.status_code, done.text) == (200, FLUSH_OK)
 
 
+def test_a_push_during_an_in_place_pause_splits_the_spans_as_sglang(app, state):
+    """A request suspended in place across a weight update continues with the new weights: its
+    output's weight_versions spans (SGLang 0.5.23: record_weight_version_events at the update,
+    compute_weight_version_spans at the end) give the old version to the tokens before the
+    pause and the new one to the rest, and the client reads them per token."""
+    result = {}
+
+    def generate() -> None:
+        body = {"input_ids": [3, 4, 5], "sampling_params": {"max_new_tokens": 120}}
+        result["reply"] = app.post("/generate", json=body)
+
+    old = state.scheduler.weight_version
+    thread = threading.Thread(target=generate)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not state.scheduler._running and time.monotonic() < deadline:
+        time.sleep(0.001)
+    app.post("/pause_generation", json={"mode": "in_place"})
+    try:
+        assert state.scheduler.busy(), "the request finished before the pause; make it longer"
+        with state.scheduler.model_lock:  # as an update does
+            state.scheduler.weight_version = "pushed"
+    finally:
+        app.post("/continue_generation", json={})
+        thread.join(60)
+    try:
+        reply = result["reply"].json()
+        n = len(reply["output_ids"])
+        spans = reply["meta_info"]["weight_versions"]
+        assert [span["version"] for span in spans] == [old, "pushed"]
+        assert spans[0]["start"] == 0 and spans[0]["end"] == spans[1]["start"] > 0
+        assert spans[1]["end"] == n > spans[1]["start"]
+        assert reply["meta_info"]["weight_version"] == "pushed"
+        # The per-token versions the client gives the pool.
+        meta = {
+            **reply["meta_info"],
+            "output_token_logprobs": [[0.0, t, None] for t in reply["output_ids"]],
+        }
+        client = SGLangClient("http://embedded.test")
+        client._http = httpx.Client(
+            base_url="http://embedded.test",
+            transport=httpx.MockTransport(
+                lambda request: httpx.Response(200, json={**reply, "meta_info": meta})
+            ),
+        )
+        (out,) = client.generate([3, 4, 5], SamplingParams(max_new_tokens=120))
+        cut = spans[0]["end"]
+        assert out.token_versions() == [old] * cut + ["pushed"] * (n - cut)
+    finally:
+        state.scheduler.weight_version = old
+
+
 def test_fleet_keeps_a_paused_server_alive_after_a_failed_push(keyed_server, tiny_checkpoint):
     """A push that fails after a bucket loaded leaves the server paused (its /health then
     answers 503 after SGLANG_HEALTH_CHECK_TIMEOUT): the fleet must probe /model_info."""
