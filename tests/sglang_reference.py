@@ -301,3 +301,69 @@ def finish_reason_key_sets() -> list[frozenset[str]]:
                 if isinstance(item, ast.FunctionDef) and item.name == "to_json":
                     out += dict_key_sets(item)
     return out
+
+
+@cache
+def weight_versions_module() -> types.ModuleType:
+    """SGLang's ``srt/utils/weight_versions.py`` (``WeightVersionEvent``,
+    ``compute_weight_version_spans``, ``add_weight_versions_to_meta_info``, ...): its source
+    executed verbatim but for its one ``sglang`` import, whose name
+    (``msgspec_struct_pydantic_core_schema``) comes from ``msgspec_utils.py`` loaded from its
+    file."""
+    msgspec_utils = load_module("srt/utils/msgspec_utils.py", "_sglang_ref_msgspec_utils")
+    tree = ast.parse(source("srt/utils/weight_versions.py"))
+    tree.body = [
+        node
+        for node in tree.body
+        if not (isinstance(node, ast.ImportFrom) and (node.module or "").startswith("sglang"))
+    ]
+    module = types.ModuleType("_sglang_ref_weight_versions")
+    module.msgspec_struct_pydantic_core_schema = msgspec_utils.msgspec_struct_pydantic_core_schema
+    sys.modules[module.__name__] = module  # its dataclasses look their module up
+    exec(compile(tree, "srt/utils/weight_versions.py", "exec"), module.__dict__)
+    return module
+
+
+@cache
+def cli_flags() -> dict[str, tuple[str, ...]]:
+    """Every ``ServerArgs`` field's command-line spellings in SGLang 0.5.23, read from the field
+    declarations (``srt/arg_groups/fields/*.py``) as ``arg_groups/arg_utils.py``
+    ``add_cli_args_from_dataclass`` registers them: ``cli_name`` or ``--`` + the field name with
+    ``-`` for ``_``, then the ``aliases``; fields with ``no_cli=True`` or without an ``Arg`` /
+    help string have none. ``--config`` is added by ``server_args.py`` itself."""
+    flags: dict[str, tuple[str, ...]] = {}
+    for path in sorted((ensure_sglang() / "srt/arg_groups/fields").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
+                continue
+            ann = node.annotation
+            if not (isinstance(ann, ast.Subscript) and isinstance(ann.slice, ast.Tuple)):
+                continue
+            meta = ann.slice.elts[1] if len(ann.slice.elts) > 1 else None
+            name, aliases = "--" + node.target.id.replace("_", "-"), []
+            if isinstance(meta, ast.Call) and getattr(meta.func, "id", None) == "Arg":
+                options = {k.arg: k.value for k in meta.keywords}
+                if "no_cli" in options and ast.literal_eval(options["no_cli"]):
+                    continue
+                if "cli_name" in options:
+                    name = ast.literal_eval(options["cli_name"])
+                if "aliases" in options:
+                    aliases = list(ast.literal_eval(options["aliases"]))
+            elif not (isinstance(meta, ast.Constant) and isinstance(meta.value, str)):
+                continue
+            flags[node.target.id] = (name, *aliases)
+    if 'add_argument(\n            "--config"' not in source("srt/server_args.py"):
+        raise AssertionError("srt/server_args.py no longer adds --config as it did")
+    flags["config"] = ("--config",)
+    return flags
+
+
+def function(relative: str, name: str, namespace: dict[str, Any]):
+    """One top-level function of an sglang file, its source executed verbatim in
+    ``namespace`` (which must supply the names it uses: nothing of sglang is imported)."""
+    tree = ast.parse(source(relative))
+    (node,) = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name]
+    code = compile(ast.Module(body=[node], type_ignores=[]), relative, "exec")
+    scope = dict(namespace)
+    exec(code, scope)
+    return scope[name]

@@ -345,7 +345,7 @@ def test_rendered_scripts_are_valid_bash_with_the_plan(launcher, tmp_path):
         assert "#SBATCH --nodes=1" in text and "#SBATCH --gres=gpu:8" in text
         assert (
             '--nodelist="${NODES[0]}" --output="$LOG_DIR/server_0_%N.log" '
-            'env CUDA_VISIBLE_DEVICES=4,5,6,7 "$PY" -m sglang.launch_server' in text
+            'env CUDA_VISIBLE_DEVICES=4,5,6,7 "$SGLANG_PY" -m sglang.launch_server' in text
         )
         assert "export CUDA_VISIBLE_DEVICES=0,1,2,3; exec" in text
         assert '--node-rank="$SLURM_PROCID" --nproc-per-node=4' in text
@@ -560,6 +560,7 @@ def _render_recipe(launcher: str) -> str:
         log_dir="/path/to/megatron-sat/runs/qwen3_30b_a3b_sat_gspo_r3/logs",
         seed=cfg.train.seed,
         max_running_requests=cfg.rollout.prompts_per_step * cfg.rollout.group_size,
+        sglang_python="/path/to/megatron-sat/.cache/sglang-env/bin/python",
     )
     return render(resolve_plan(cfg), ctx)
 

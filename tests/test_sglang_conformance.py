@@ -129,6 +129,7 @@ def client_calls() -> list[tuple[str, str, object, str | None]]:
     client.generate([3, 4, 5], sampling, routing=ROUTING, routed_experts_start_len=1)
     client.generate([3, 4, 5], sampling, return_logprob=True)
     client.get_weight_version()
+    client.get_server_info()
     for mode in ("abort", "retract", "in_place"):
         client.pause_generation(mode)
     client.continue_generation()
@@ -238,6 +239,7 @@ def test_client_request_bodies_validate_against_sglang_models(client_calls):
         "/health",  # GET without body, sent outside _request (checked by rule 2)
         "/health_generate",
         "/ready",
+        "/get_server_info",  # /server_info's deprecated alias, served by the embedded server
     }
     for method, endpoint, body, _ in client_calls:
         _check_body(method, endpoint, body)
@@ -330,7 +332,13 @@ def test_embedded_responses_have_sglang_fields(app):
     constants = ref.string_constants("srt/managers/tokenizer_manager.py")
     assert set(gen) == {"output_ids", "meta_info"} and set(gen) <= constants
     meta = gen["meta_info"]
+    # The tokenizer manager's keys, and the spans' (srt/utils/weight_versions.py
+    # add_weight_versions_to_meta_info, which it calls).
+    constants |= ref.string_constants("srt/utils/weight_versions.py")
     assert set(meta) <= constants, sorted(set(meta) - constants)
+    assert meta["weight_versions"] == [
+        {"version": meta["weight_version"], "start": 0, "end": len(gen["output_ids"])}
+    ]
     assert frozenset(meta["finish_reason"]) in ref.finish_reason_key_sets()
     logprob, token, text = meta["output_token_logprobs"][0]
     assert isinstance(logprob, float) and isinstance(token, int) and text is None
@@ -445,6 +453,8 @@ HARMLESS = {
     "/health_generate": ("GET", None),
     "/ready": ("GET", None),
     "/model_info": ("GET", None),
+    "/server_info": ("GET", None),
+    "/get_server_info": ("GET", None),
     "/generate": ("POST", {}),
     "/flush_cache": ("POST", None),
     "/pause_generation": ("POST", {"mode": "no-such-mode"}),
@@ -574,6 +584,58 @@ def test_flush_cache_refused_while_requests_run_in_place(app, state):
         time.sleep(0.01)
     done = app.post("/flush_cache")
     assert (done.status_code, done.text) == (200, FLUSH_OK)
+
+
+def test_a_push_during_an_in_place_pause_splits_the_spans_as_sglang(app, state):
+    """A request suspended in place across a weight update continues with the new weights: its
+    output's weight_versions spans (SGLang 0.5.23: record_weight_version_events at the update,
+    compute_weight_version_spans at the end) give the old version to the tokens before the
+    pause and the new one to the rest, and the client reads them per token."""
+    result = {}
+
+    def generate() -> None:
+        body = {"input_ids": [3, 4, 5], "sampling_params": {"max_new_tokens": 120}}
+        result["reply"] = app.post("/generate", json=body)
+
+    old = state.scheduler.weight_version
+    thread = threading.Thread(target=generate)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not state.scheduler._running and time.monotonic() < deadline:
+        time.sleep(0.001)
+    app.post("/pause_generation", json={"mode": "in_place"})
+    try:
+        assert state.scheduler.busy(), "the request finished before the pause; make it longer"
+        with state.scheduler.model_lock:  # as an update does
+            state.scheduler.weight_version = "pushed"
+    finally:
+        app.post("/continue_generation", json={})
+        thread.join(60)
+    try:
+        reply = result["reply"].json()
+        n = len(reply["output_ids"])
+        spans = reply["meta_info"]["weight_versions"]
+        assert [span["version"] for span in spans] == [old, "pushed"]
+        assert spans[0]["start"] == 0 and spans[0]["end"] == spans[1]["start"] > 0
+        assert spans[1]["end"] == n > spans[1]["start"]
+        assert reply["meta_info"]["weight_version"] == "pushed"
+        # The per-token versions the client gives the pool.
+        meta = {
+            **reply["meta_info"],
+            "output_token_logprobs": [[0.0, t, None] for t in reply["output_ids"]],
+        }
+        client = SGLangClient("http://embedded.test")
+        client._http = httpx.Client(
+            base_url="http://embedded.test",
+            transport=httpx.MockTransport(
+                lambda request: httpx.Response(200, json={**reply, "meta_info": meta})
+            ),
+        )
+        (out,) = client.generate([3, 4, 5], SamplingParams(max_new_tokens=120))
+        cut = spans[0]["end"]
+        assert out.token_versions() == [old] * cut + ["pushed"] * (n - cut)
+    finally:
+        state.scheduler.weight_version = old
 
 
 def test_fleet_keeps_a_paused_server_alive_after_a_failed_push(keyed_server, tiny_checkpoint):

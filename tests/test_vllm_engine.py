@@ -299,3 +299,83 @@ def test_rl_steps_of_the_main_job_against_vllm(
         assert row["rollout/server0/samples_per_s"] > 0 and row["rollout/server0/failures"] == 0
     assert "eval/acc_greedy" in rows[0] and "eval/acc_greedy" in rows[-1]
     assert summary["use_r3"] is False and summary["num_steps"] == 3
+
+
+def test_bounded_mode_pushes_during_generation_kill_no_server(
+    checkpoint, server, client, megatron_world, tmp_path, monkeypatch
+):
+    """The asynchronous bounded mode (lag 1) against the real server: the servers generate
+    while the trainer steps, so every push pauses vLLM ("abort") with requests in flight, and
+    the pool re-sends them (resumed from their partial output) while or after the push. vLLM
+    0.32 queues a request sent while paused; vLLM >= 0.33 answers 503, which the client waits
+    out (tests/test_client_retries.py). Either way: every step finishes, no server is marked
+    dead, and each token's version (vLLM's per-token spans) reaches the samples, within the
+    staleness bound."""
+    from megatron_sat.config import load_config
+    from megatron_sat.rollout.arith import make_arith_splits
+    from megatron_sat.training import rl
+
+    train_rows, test_rows = make_arith_splits(32, 4, seed=0, max_digits=1)
+    for name, rows in (("train", train_rows), ("test", test_rows)):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = load_config(
+        ROOT / "examples" / "configs" / "tiny_cpu_sat_gspo_r3.yaml",
+        [
+            f"init_checkpoint={checkpoint}",
+            f"run_dir={tmp_path / 'run'}",
+            f"data.train_path={tmp_path / 'train.jsonl'}",
+            f"data.eval_path={tmp_path / 'test.jsonl'}",
+            "data.num_eval_prompts=2",
+            "rollout.engine=vllm",
+            "launch.device=cpu",
+            "launch.rollout_engine=vllm",
+            f"rollout.server_urls=[{server.url}]",
+            "rollout.return_routed_experts=false",
+            "rollout.mode=bounded",
+            "rollout.lag=1",
+            "rollout.prompts_per_step=3",
+            "rollout.group_size=4",
+            # Long enough that a push lands while requests decode.
+            "rollout.max_new_tokens=48",
+            "rollout.eval_samples_per_prompt=2",
+            "objective.ratio_denominator=rollout",
+            "train.use_r3=false",
+            "train.num_steps=4",
+            "train.eval_every=4",
+            "train.lr=0.01",
+            "objective.entropy_coef=0.01",
+        ],
+    )
+    reports, steps = [], []
+    real_sync, real_step = rl.sync_servers, rl.distributed_rl_step
+
+    def recorded_sync(fleet, pools, named_tensors, version):
+        report = real_sync(fleet, pools, named_tensors, version)
+        reports.append((version, report, set().union(*(p.down_servers() for p in pools))))
+        return report
+
+    def recorded_step(trainer, samples, advantages, cfg, trainer_version, **options):
+        steps.append((trainer_version, [list(s.response_versions) for s in samples]))
+        return real_step(trainer, samples, advantages, cfg, trainer_version, **options)
+
+    monkeypatch.setattr(rl, "sync_servers", recorded_sync)
+    monkeypatch.setattr(rl, "distributed_rl_step", recorded_step)
+    rl.run_rl(cfg)
+
+    assert [v for v, _, _ in reports] == list(range(5))  # the initial sync, one per step
+    for _, report, down in reports:
+        assert report.found_dead == () and report.down == () and down == set()
+    assert client.get_weight_version() == "4"
+    assert [v for v, _ in steps] == [0, 1, 2, 3]
+    mixed = 0
+    for version, per_sample in steps:
+        assert len(per_sample) == 12
+        for versions in per_sample:
+            # Bounded staleness: every token from the version before the step or this one.
+            assert all(version - 1 <= v <= version for v in versions), (version, versions)
+            mixed += len(set(versions)) > 1
+    print(f"samples whose tokens span a push: {mixed} of {12 * len(steps)}")
+    rows = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    for row in rows[1:]:
+        assert math.isfinite(row["train/loss"])
+        assert row["rollout/server0/failures"] == 0

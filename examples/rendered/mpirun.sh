@@ -91,13 +91,16 @@ for line in sys.stdin:
 KEY_FILE="$LOG_DIR/server_keys.${SLURM_JOB_ID:-$$}.yaml"
 (umask 077 && "$PY" -c "$KEYGEN_PY" > "$KEY_FILE")
 
+# SGLang servers run from their own environment (launch.sglang_env).
+SGLANG_PY=/path/to/megatron-sat/.cache/sglang-env/bin/python
+[[ -x "$SGLANG_PY" ]] || { echo "no SGLang interpreter at $SGLANG_PY (launch.sglang_env; bash tools/sglang_env.sh makes one on a CUDA machine)" >&2; exit 1; }
 # Open MPI hands this environment to local ranks: stale torchrun variables would give
 # every rank the same identity.
 unset RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE
 MPI_FLAGS=(--bind-to none)
 [[ "$(id -u)" == 0 ]] && MPI_FLAGS+=(--allow-run-as-root)
 URLS=()
-mpirun "${MPI_FLAGS[@]}" -np 1 --host node0:1 -x PYTHONUNBUFFERED -x OMP_NUM_THREADS -x CUDA_VISIBLE_DEVICES=4,5,6,7 "$PY" -m sglang.launch_server --model-path checkpoints/Qwen3-30B-A3B-Base --host node0 --port 30000 --config "$KEY_FILE" --tp-size 4 --enable-return-routed-experts --weight-version 0 --enable-deterministic-inference --random-seed 1234 --mem-fraction-static 0.8 > >("$PY" -u -c "$REDACT_PY" "$KEY_FILE" > "$LOG_DIR/server_0.log") 2>&1 &
+mpirun "${MPI_FLAGS[@]}" -np 1 --host node0:1 -x PYTHONUNBUFFERED -x OMP_NUM_THREADS -x CUDA_VISIBLE_DEVICES=4,5,6,7 "$SGLANG_PY" -m sglang.launch_server --model-path checkpoints/Qwen3-30B-A3B-Base --host node0 --port 30000 --config "$KEY_FILE" --tp-size 4 --enable-return-routed-experts --weight-version 0 --enable-deterministic-inference --random-seed 1234 --mem-fraction-static 0.8 > >("$PY" -u -c "$REDACT_PY" "$KEY_FILE" > "$LOG_DIR/server_0.log") 2>&1 &
 SERVER_PIDS+=($!)
 URLS+=("\"http://node0:30000\"")
 wait_healthy "http://node0:30000" "${SERVER_PIDS[0]}" "$LOG_DIR/server_0.log"

@@ -77,8 +77,11 @@ stop_servers() {  # only the processes this script started, by pid
 }
 trap stop_servers EXIT
 
+# SGLang servers run from their own environment (launch.sglang_env).
+SGLANG_PY=/path/to/megatron-sat/.cache/sglang-env/bin/python
+[[ -x "$SGLANG_PY" ]] || { echo "no SGLang interpreter at $SGLANG_PY (launch.sglang_env; bash tools/sglang_env.sh makes one on a CUDA machine)" >&2; exit 1; }
 URLS=()
-CUDA_VISIBLE_DEVICES=4,5,6,7 "$PY" -m sglang.launch_server --model-path checkpoints/Qwen3-30B-A3B-Base --host 127.0.0.1 --port 30000 --tp-size 4 --enable-return-routed-experts --weight-version 0 --enable-deterministic-inference --random-seed 1234 --mem-fraction-static 0.8 > "$LOG_DIR/server_0.log" 2>&1 &
+CUDA_VISIBLE_DEVICES=4,5,6,7 "$SGLANG_PY" -m sglang.launch_server --model-path checkpoints/Qwen3-30B-A3B-Base --host 127.0.0.1 --port 30000 --tp-size 4 --enable-return-routed-experts --weight-version 0 --enable-deterministic-inference --random-seed 1234 --mem-fraction-static 0.8 > "$LOG_DIR/server_0.log" 2>&1 &
 SERVER_PIDS+=($!)
 URLS+=("\"http://127.0.0.1:30000\"")
 wait_healthy "http://127.0.0.1:30000" "${SERVER_PIDS[0]}" "$LOG_DIR/server_0.log"

@@ -29,6 +29,73 @@ VLLM_SERVER_FLAGS = (
     "--api-key",
 )
 
+# The SGLang 0.5.23 flags the launcher sets (rollout.sglang.args.launch_args, with --config
+# for per-job keys), every spelling SGLang's parser takes: a field's flag and its ``aliases``
+# (``srt/arg_groups/fields/*.py``, registered by ``arg_groups/arg_utils.py``
+# ``add_cli_args_from_dataclass``); ``--config`` is added in ``server_args.py``
+# ``ServerArgs.add_cli_args``. launch.sglang_args must not repeat them: a second spelling would
+# silently override the launcher's value (``--tensor-parallel-size 8`` after ``--tp-size 4``
+# makes the weight-update group's world size wrong and its rendezvous hang).
+SGLANG_SERVER_FLAGS = (
+    "--model-path",  # fields/model.py model_path
+    "--model",
+    "--host",  # fields/serving.py host, port
+    "--port",
+    "--tp-size",  # fields/parallel.py tp_size
+    "--tensor-parallel-size",
+    "--weight-version",  # fields/serving.py weight_version
+    "--enable-return-routed-experts",  # fields/exec_.py
+    "--enable-deterministic-inference",  # fields/exec_.py
+    "--random-seed",  # fields/device.py random_seed
+    "--config",  # server_args.py: the per-job key file
+    "--api-key",  # fields/serving.py api_key, admin_api_key: the launcher owns the keys
+    "--admin-api-key",
+)
+# SGLang 0.5.23 flags whose value must stay 1 beside a trainer pushing weights, and why.
+SGLANG_SIZE_FLAGS = {
+    # fields/parallel.py dp_size (alias --data-parallel-size)
+    ("--dp-size", "--data-parallel-size"): (
+        "SGLang refuses weight updates from distributed with data-parallel replicas "
+        "(managers/tokenizer_control_mixin.py: assert dp_size == 1, HTTP 500); start one server "
+        "per replica instead (more servers in the launch plan)"
+    ),
+    # fields/parallel.py pp_size (alias --pipeline-parallel-size)
+    ("--pp-size", "--pipeline-parallel-size"): (
+        "SGLang joins the weight-update group as rank_offset + tp_rank on every pipeline stage "
+        "(model_executor/model_runner_components/weight_updater.py), so the stages' ranks "
+        "collide and the rendezvous hangs; use --tp-size"
+    ),
+}
+
+
+def sglang_args_error(args: list[str]) -> str | None:
+    """Why ``launch.sglang_args`` cannot be passed to SGLang 0.5.23 beside the launcher's flags,
+    or None. SGLang's parser (``argparse.ArgumentParser(prog="sglang serve")``, abbreviations
+    allowed) takes any unique prefix of a flag, so a prefix of a reserved flag (``--tp`` for
+    ``--tp-size``) counts as that flag.
+    """
+
+    def spelled(arg: str, flags: tuple[str, ...]) -> str | None:
+        name = arg.split("=", 1)[0]
+        if not name.startswith("--") or len(name) < 3:
+            return None
+        return next((f for f in flags if f == name or f.startswith(name)), None)
+
+    clash = sorted({f for a in args if (f := spelled(a, SGLANG_SERVER_FLAGS)) is not None})
+    if clash:
+        return f"free of the flags the launcher sets (given: {clash}, in any spelling)"
+    for i, arg in enumerate(args):
+        for flags, why in SGLANG_SIZE_FLAGS.items():
+            if spelled(arg, flags) is None:
+                continue
+            value = (
+                arg.split("=", 1)[1] if "=" in arg else (args[i + 1] if i + 1 < len(args) else "")
+            )
+            if value.strip() != "1":
+                return f"free of {flags[0]} > 1 (given {arg} {value}): {why}"
+    return None
+
+
 LAUNCHERS = ("torchrun", "slurm", "mpirun")
 DEVICES = ("cuda", "cpu")
 ROLLOUT_ENGINES = ("sglang", "embedded", "vllm")
@@ -62,10 +129,16 @@ class LaunchConfig:
         rollout_server_tp: devices per rollout server (SGLang ``--tp-size``, vLLM
             ``--tensor-parallel-size``); 1 for embedded.
         sglang_args: extra command-line flags for every SGLang server, e.g.
-            ``["--mem-fraction-static", "0.8"]``. ``--enable-return-routed-experts``,
-            ``--weight-version 0``, ``--enable-deterministic-inference`` (per-request
-            ``sampling_seed``), ``--tp-size``, ``--host``, ``--port`` and ``--model-path``
-            are always passed and must not be repeated here.
+            ``["--mem-fraction-static", "0.8"]``. The flags of ``SGLANG_SERVER_FLAGS``
+            (``--tp-size``, ``--enable-return-routed-experts``, ``--weight-version 0``,
+            ``--enable-deterministic-inference`` for per-request ``sampling_seed``, ...) are
+            always set and must not be repeated here in any spelling; ``--dp-size`` and
+            ``--pp-size`` > 1 are refused (``SGLANG_SIZE_FLAGS`` says why).
+        sglang_env: the SGLang servers' environment (a virtual environment directory; its
+            ``bin/python`` runs them), separate from the trainer's because SGLang pins its own
+            torch, transformers and flashinfer; None = ``.cache/sglang-env`` under ``workdir``
+            (make it with ``python -m venv .cache/sglang-env && .cache/sglang-env/bin/pip
+            install "sglang==0.5.23"``; docs/launch.md).
         vllm_env: the vLLM servers' environment (a virtual environment directory; its
             ``bin/python`` runs them), separate from the trainer's because vLLM pins its own
             torch and transformers; None = ``.cache/vllm-env`` under ``workdir``, which
@@ -113,6 +186,7 @@ class LaunchConfig:
     rollout_engine: str = "sglang"
     rollout_server_tp: int = 1
     sglang_args: list[str] = field(default_factory=list)
+    sglang_env: str | None = None
     vllm_env: str | None = None
     vllm_args: list[str] = field(default_factory=list)
     master_port: int = 29500
@@ -213,18 +287,8 @@ class LaunchConfig:
                 "a mapping of names to strings or numbers",
             )
         self.env = {k: str(v) for k, v in self.env.items()}
-        reserved = {
-            "--enable-return-routed-experts",
-            "--weight-version",
-            "--enable-deterministic-inference",
-            "--tp-size",
-            "--tp",
-            "--host",
-            "--port",
-            "--model-path",
-        }
-        clash = sorted({a.split("=")[0] for a in self.sglang_args} & reserved)
-        check(not clash, "sglang_args", f"free of the flags the launcher sets ({clash})")
+        problem = sglang_args_error(self.sglang_args)
+        check(problem is None, "sglang_args", str(problem))
         clash = sorted({a.split("=")[0] for a in self.vllm_args} & set(VLLM_SERVER_FLAGS))
         check(not clash, "vllm_args", f"free of the flags the launcher sets ({clash})")
 

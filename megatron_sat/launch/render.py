@@ -106,6 +106,8 @@ class RenderContext:
             (``rollout.return_routed_experts``; SGLang's flag is always passed).
         vllm_python: the vLLM environment's interpreter (``launch.vllm_env``), for
             ``launch.rollout_engine=vllm``.
+        sglang_python: the SGLang environment's interpreter (``launch.sglang_env``), for
+            ``launch.rollout_engine=sglang``.
     """
 
     config_path: str
@@ -117,6 +119,7 @@ class RenderContext:
     max_running_requests: int
     return_routed_experts: bool = True
     vllm_python: str | None = None
+    sglang_python: str | None = None
 
 
 def _q(value: object) -> str:
@@ -163,8 +166,9 @@ def server_command(
 
 
 def server_python(plan: LaunchPlan) -> str:
-    """The interpreter of the rollout servers in a script: their engine's (vLLM's own
-    environment: ``$VLLM_PY``; else the trainer's, ``$PY``)."""
+    """The interpreter of the rollout servers in a script: their engine's own environment
+    (SGLang's ``$SGLANG_PY``, vLLM's ``$VLLM_PY``) or, for the embedded server, the
+    trainer's (``$PY``)."""
     return server_launch(plan.launch.rollout_engine).python
 
 
@@ -188,9 +192,10 @@ def _preamble(plan: LaunchPlan, ctx: RenderContext, title: str) -> list[str]:
     ]
     lines += [f"export {k}={_q(v)}" for k, v in sorted(plan.launch.env.items())]
     lines += [_HEALTH_FUNCTION] + ([_KEYS_FUNCTION] if uses_keys(plan) else [])
-    preamble = server_launch(plan.launch.rollout_engine).preamble
-    if preamble is not None:
-        lines += preamble(ctx.vllm_python, uses_keys(plan))
+    launch = server_launch(plan.launch.rollout_engine)
+    if launch.preamble is not None:
+        python = None if launch.env_python is None else getattr(ctx, launch.env_python)
+        lines += launch.preamble(python, uses_keys(plan))
     return lines
 
 

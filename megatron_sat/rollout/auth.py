@@ -45,6 +45,8 @@ ENDPOINT_AUTH_LEVELS: dict[str, AuthLevel] = {
     "/health_generate": AuthLevel.NORMAL,
     "/ready": AuthLevel.NORMAL,
     "/model_info": AuthLevel.NORMAL,
+    "/server_info": AuthLevel.NORMAL,
+    "/get_server_info": AuthLevel.NORMAL,
     "/generate": AuthLevel.NORMAL,
     "/flush_cache": AuthLevel.ADMIN_OPTIONAL,
     "/pause_generation": AuthLevel.ADMIN_OPTIONAL,

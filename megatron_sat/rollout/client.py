@@ -40,6 +40,7 @@ from megatron_sat.rollout.sampling import (
     RoutingSpec,
     SamplingParams,
 )
+from megatron_sat.rollout.weight_versions import spans_to_versions
 from megatron_sat.routing.payload import decode_routed_experts
 from megatron_sat.routing.wire import split_generate_reply
 from megatron_sat.weight_sync.channel import PAUSE_MODES
@@ -73,6 +74,8 @@ class SGLangClient(HTTPClient):
         timeout_s: timeout of every HTTP call, seconds (generation included).
         max_retries: extra attempts of idempotent calls on connection errors / HTTP 503.
         retry_backoff_s: sleep before the first retry, doubled after each.
+        paused_timeout_s: how long a call waits for a paused server to resume, seconds
+            (``rollout.engine``); None = ``timeout_s``.
         keys: the server's API / admin API keys (SGLang's ``--api-key``, ``--admin-api-key``);
             None for a server started without keys.
     """
@@ -85,9 +88,14 @@ class SGLangClient(HTTPClient):
         max_retries: int = 3,
         retry_backoff_s: float = 0.5,
         keys: ServerKeys | None = None,
+        paused_timeout_s: float | None = None,
     ) -> None:
         super().__init__(
-            base_url, timeout_s, max_retries=max_retries, retry_backoff_s=retry_backoff_s
+            base_url,
+            timeout_s,
+            max_retries=max_retries,
+            retry_backoff_s=retry_backoff_s,
+            paused_timeout_s=paused_timeout_s,
         )
         self.keys = keys or ServerKeys()
 
@@ -208,6 +216,7 @@ class SGLangClient(HTTPClient):
             prompt_tokens=int(meta.get("prompt_tokens", prompt_len)),
             completion_tokens=int(meta.get("completion_tokens", len(output_ids))),
             meta_info=meta,
+            output_token_versions=_token_versions(meta, len(output_ids), where),
         )
 
     # ---- status -----------------------------------------------------------------------------
@@ -229,6 +238,14 @@ class SGLangClient(HTTPClient):
         if "weight_version" not in info:
             raise SGLangError(f"{self.base_url}/model_info: no weight_version in {info!r:.300}")
         return str(info["weight_version"])
+
+    def get_server_info(self) -> dict[str, Any]:
+        """GET /server_info: the server's resolved start-up arguments (``ServerArgs`` fields
+        such as ``enable_deterministic_inference``, ``dp_size``) and live state."""
+        info = self._request("GET", "/server_info", None, retry=True).json()
+        if not isinstance(info, dict):
+            raise SGLangError(f"{self.base_url}/server_info: not an object: {info!r:.300}")
+        return info
 
     # ---- generation control -----------------------------------------------------------------
 
@@ -342,6 +359,23 @@ class SGLangClient(HTTPClient):
         """A weight-update reply with HTTP 400 and ``success: false`` is returned, not raised,
         so the caller can surface the server's message."""
         return response.is_success or _is_success_false(response)
+
+
+def _token_versions(meta: dict[str, Any], num_tokens: int, where: str) -> list[str] | None:
+    """The version of each output token from SGLang 0.5.23's ``meta_info["weight_versions"]``
+    spans (``rollout.weight_versions``); None when the server sends none (an SGLang before
+    the spans), where the request's ``weight_version`` stands for every token.
+
+    Raises:
+        SGLangError: naming the server when the spans do not cover the output tokens.
+    """
+    spans = meta.get("weight_versions")
+    if spans is None:
+        return None
+    try:
+        return spans_to_versions(spans, num_tokens)
+    except (ValueError, KeyError, TypeError) as e:
+        raise SGLangError(f"{where}: weight_versions {spans!r:.300}: {e}") from e
 
 
 def _is_success_false(response: httpx.Response) -> bool:

@@ -33,7 +33,19 @@ Errors, and what each means to the caller:
 Retries and timeouts live in the client only (:func:`request_with_retries`): idempotent calls
 (generation, status, pause/continue/flush) are retried on connection errors and HTTP 503 with
 a doubling back-off; the weight-update calls are never retried (one half of a collective whose
-other half, the broadcast, cannot be replayed). Callers never retry a call themselves.
+other half, the broadcast, cannot be replayed). Callers never retry a call themselves. Two
+cases are not failures of the server:
+
+- a *paused* server's refusal (vLLM >= 0.33 answers HTTP 503 to new requests while paused in
+  mode "abort" or "wait", ``vllm/v1/engine/core.py`` ``EngineCore._reject_add_while_paused``;
+  vLLM 0.32 and SGLang 0.5.23 queue them instead, ``TokenizerManager.generate_request`` waits
+  on ``is_pause_cond``): the request waits and is re-sent until the server resumes, without
+  using an attempt (bounded by ``paused_timeout_s``);
+- a *timeout* (``rollout.request_timeout_s``) of a retried call: the server is asked whether it
+  lives (``alive``, a probe that a paused or busy server answers at once); a living one gets
+  the call again, and one still timing out after every attempt raises
+  :class:`RequestTimeoutError` (a request error: the server stays in the fleet, the run stops
+  naming the timeout). Only a server whose probe fails too is declared dead.
 
 :class:`HTTPClient` is the shared half of every client: options, the connection pool,
 ``close``, ``health``, the retry policy and the batch checks of ``generate``.
@@ -66,6 +78,41 @@ class SGLangRequestError(SGLangError):
     def __init__(self, message: str, status_code: int) -> None:
         super().__init__(message)
         self.status_code = status_code
+
+
+class RequestTimeoutError(SGLangRequestError):
+    """A call timed out on every attempt while the server answered its liveness probe: the
+    server is alive but slower than the timeout (``rollout.request_timeout_s``). HTTP status
+    408 (Request Timeout) stands for it; the pools fail the run with it rather than drop a
+    living server."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, 408)
+
+
+# vLLM >= 0.33's answer to a new request while paused (vllm/v1/engine/core.py,
+# EngineCore._reject_add_while_paused: RequestError(code="engine_paused", retryable=True), which
+# vllm/outputs.py RequestError.to_exception turns into RetryableRequestError, HTTP 503 with an
+# OpenAI ErrorResponse body, entrypoints/serve/exception_handling/error_response.py).
+VLLM_PAUSED_MESSAGE = "Generation is paused. Please retry after it resumes."
+# How often a request refused by a paused server is re-sent, seconds (a push takes seconds).
+PAUSED_POLL_S = 0.2
+# Cap of the doubling back-off between retries, seconds.
+MAX_BACKOFF_S = 30.0
+# Timeout of the liveness probe after a timed-out call (at most the call's own), seconds.
+LIVENESS_TIMEOUT_S = 30.0
+
+
+def is_paused_reply(response: httpx.Response) -> bool:
+    """Whether ``response`` is a paused server's refusal of a new request (vLLM >= 0.33: HTTP 503
+    ``{"error": {"message": VLLM_PAUSED_MESSAGE, ...}}``); any other 503 is not."""
+    if response.status_code != 503:
+        return False
+    try:
+        error = response.json().get("error")
+    except (ValueError, AttributeError):
+        return False
+    return isinstance(error, dict) and error.get("message") == VLLM_PAUSED_MESSAGE
 
 
 class RolloutClient(Protocol):
@@ -129,10 +176,15 @@ def request_with_retries(
     retry_on: tuple[type[httpx.TransportError], ...] = RETRY_TRANSPORT_ERRORS,
     error: type[SGLangError] = SGLangError,
     request_error: type[SGLangRequestError] = SGLangRequestError,
+    alive: Callable[[], bool] | None = None,
+    paused_timeout_s: float = 0.0,
 ) -> httpx.Response:
     """One HTTP call of a rollout client, with the retry policy of this module's docstring
     (shared by the SGLang and vLLM clients): up to ``attempts`` tries, retried after a
-    ``retry_on`` transport error or HTTP 503, sleeping ``backoff_s``, doubled after each.
+    ``retry_on`` transport error, a timeout of a server that ``alive`` finds living, or HTTP
+    503, sleeping ``backoff_s``, doubled after each (at most ``MAX_BACKOFF_S``). A paused
+    server's refusal (:func:`is_paused_reply`) is re-sent every ``PAUSED_POLL_S`` for up to
+    ``paused_timeout_s`` seconds without using an attempt (0: not waited for, a plain 503).
 
     Returns:
         the first response ``accept`` takes (default: any 2xx).
@@ -140,32 +192,68 @@ def request_with_retries(
     Raises:
         request_error: on another HTTP 4xx than 408/429 (the request is at fault; its
             ``status_code`` is set).
-        error: on any other failure, naming the method, the URL and the endpoint.
+        RequestTimeoutError: when every attempt timed out and ``alive`` still says the server
+            lives.
+        error: on any other failure (a server paused for longer than ``paused_timeout_s``
+            included), naming the method, the URL and the endpoint.
     """
-    base = str(http.base_url).rstrip("/")
+    if attempts < 1:
+        raise ValueError(f"attempts must be >= 1, got {attempts}")
+    where = f"{method} {str(http.base_url).rstrip('/')}{endpoint}"
     delay = backoff_s
-    for attempt in range(attempts):
-        last = attempt + 1 == attempts
+    attempt = 0
+    paused_since: float | None = None
+    while True:
+        last = attempt + 1 >= attempts
         try:
             response = http.request(method, endpoint, json=body, headers=headers)
         except httpx.TransportError as e:
-            if not last and isinstance(e, retry_on):
-                time.sleep(delay)
-                delay *= 2
-                continue
-            raise error(f"{method} {base}{endpoint} failed: {e!r}") from e
+            _check_transport_error(e, where, last, retry_on, alive, error)
+            time.sleep(delay)
+            delay, attempt = min(2 * delay, MAX_BACKOFF_S), attempt + 1
+            continue
+        if paused_timeout_s > 0 and is_paused_reply(response):
+            paused_since = paused_since if paused_since is not None else time.monotonic()
+            if time.monotonic() - paused_since > paused_timeout_s:
+                raise error(f"{where}: server paused for more than {paused_timeout_s} s")
+            time.sleep(PAUSED_POLL_S)
+            continue
+        paused_since = None
         if response.status_code == 503 and not last:
             time.sleep(delay)
-            delay *= 2
+            delay, attempt = min(2 * delay, MAX_BACKOFF_S), attempt + 1
             continue
         if accept(response):
             return response
         status = response.status_code
-        message = f"{method} {base}{endpoint} -> HTTP {status}: {response.text[:1000]}"
+        message = f"{where} -> HTTP {status}: {response.text[:1000]}"
         if 400 <= status < 500 and status not in (408, 429):
             raise request_error(message, status)
         raise error(message)
-    raise ValueError(f"attempts must be >= 1, got {attempts}")
+
+
+def _check_transport_error(
+    e: httpx.TransportError,
+    where: str,
+    last: bool,
+    retry_on: tuple[type[httpx.TransportError], ...],
+    alive: Callable[[], bool] | None,
+    error: type[SGLangError],
+) -> None:
+    """Return when the call that raised ``e`` may be tried again; else raise what it means:
+    RequestTimeoutError for a timeout of a living server, ``error`` (a dead server) otherwise.
+    A timeout is retried only when ``alive`` (the liveness probe) says the server lives."""
+    timed_out = isinstance(e, httpx.TimeoutException) and not isinstance(e, httpx.ConnectTimeout)
+    living = timed_out and alive is not None and alive()
+    if not last and (isinstance(e, retry_on) or living):
+        return
+    if living:
+        raise RequestTimeoutError(
+            f"{where} timed out on every attempt ({e!r}) while the server answers its "
+            "liveness probe: the server is alive but slower than the timeout; raise "
+            "rollout.request_timeout_s"
+        ) from e
+    raise error(f"{where} failed: {e!r}") from e
 
 
 def is_batch(input_ids: Sequence[int] | Sequence[Sequence[int]]) -> bool:
@@ -181,8 +269,11 @@ class HTTPClient:
     Args:
         base_url: e.g. "http://127.0.0.1:30000".
         timeout_s: timeout of every HTTP call, seconds (generation included).
-        max_retries: extra attempts of idempotent calls on connection errors / HTTP 503.
+        max_retries: extra attempts of idempotent calls on connection errors, timeouts of a
+            living server and HTTP 503.
         retry_backoff_s: sleep before the first retry, doubled after each.
+        paused_timeout_s: how long an idempotent call refused by a paused server waits for
+            it to resume, seconds; None = ``timeout_s``.
         http_options: further ``httpx.Client`` arguments (headers, limits).
     """
 
@@ -197,6 +288,7 @@ class HTTPClient:
         *,
         max_retries: int = 3,
         retry_backoff_s: float = 0.5,
+        paused_timeout_s: float | None = None,
         **http_options: Any,
     ) -> None:
         check_client_options(timeout_s, max_retries)
@@ -204,6 +296,9 @@ class HTTPClient:
         self.timeout_s = timeout_s
         self.max_retries = max_retries
         self.retry_backoff_s = retry_backoff_s
+        self.paused_timeout_s = timeout_s if paused_timeout_s is None else paused_timeout_s
+        if self.paused_timeout_s <= 0:
+            raise ValueError(f"paused_timeout_s must be > 0, got {self.paused_timeout_s}")
         self._http = httpx.Client(base_url=self.base_url, timeout=timeout_s, **http_options)
 
     def __repr__(self) -> str:
@@ -220,6 +315,11 @@ class HTTPClient:
             return self._http.get("/health", timeout=timeout).status_code == 200
         except httpx.TransportError:
             return False
+
+    def alive(self, timeout_s: float | None = None) -> bool:
+        """The liveness probe of a server that may be paused or busy (here GET /health, which
+        vLLM answers from its engine state without generating); never raises."""
+        return self.health(timeout_s)
 
     def _headers(self, endpoint: str) -> dict[str, str] | None:
         """Per-call headers of ``endpoint`` (authentication); None: the client's defaults."""
@@ -246,6 +346,8 @@ class HTTPClient:
             retry_on=self.retry_on,
             error=self.error,
             request_error=self.request_error,
+            alive=(lambda: self.alive(min(LIVENESS_TIMEOUT_S, self.timeout_s))) if retry else None,
+            paused_timeout_s=self.paused_timeout_s if retry else 0.0,
         )
 
 

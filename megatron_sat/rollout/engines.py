@@ -24,6 +24,9 @@ from megatron_sat.rollout.vllm import args as vllm_args
 from megatron_sat.rollout.vllm.client import VLLMClient
 from megatron_sat.rollout.vllm.fleet import VLLMFleet
 
+# A client's timeout when none is given (``rollout.request_timeout_s``'s default), seconds.
+DEFAULT_TIMEOUT_S = 3600.0
+
 
 @dataclass(frozen=True)
 class ServerStart:
@@ -55,8 +58,10 @@ class ServerLaunch:
     Attributes:
         args: the server's argv after its interpreter.
         python: the interpreter's shell variable, set by the script's preamble.
-        preamble: extra preamble lines ``(vllm_python, uses_keys) -> lines`` (its own
+        preamble: extra preamble lines ``(env_python, uses_keys) -> lines`` (its own
             environment, its key), or None.
+        env_python: the ``RenderContext`` field holding the interpreter of the server's own
+            environment that ``preamble`` gets (``sglang_python``, ``vllm_python``), or None.
         mpirun_env: variables mpirun must hand a remote server (``-x``).
         plan_flags: what the printed plan shows of the server's flags.
     """
@@ -64,6 +69,7 @@ class ServerLaunch:
     args: Callable[[LaunchConfig, ServerStart], list[str]]
     python: str = '"$PY"'
     preamble: Callable[[str | None, bool], list[str]] | None = None
+    env_python: str | None = None
     mpirun_env: tuple[str, ...] = ()
     plan_flags: Callable[[LaunchConfig], str] = lambda launch: ""
 
@@ -73,34 +79,66 @@ class EngineSpec:
     """One rollout engine.
 
     Attributes:
-        client: the client of a running server, ``(url, keys) -> RolloutClient``.
+        client: the client of a running server, ``(url, keys, timeout_s) -> RolloutClient``
+            (``timeout_s``: ``rollout.request_timeout_s``; default ``DEFAULT_TIMEOUT_S``).
         fleet: the fleet class over its servers (its ``updater_cls`` is the weight push).
         servers: the ``launch.rollout_engine`` values that start servers speaking its API.
         embedded: whether it can run on embedded CPU servers started by the trainer (no
             ``rollout.server_urls``).
         per_stage_push: whether its updater supports one sender per pipeline stage
             (``weight_sync.megatron_push``; ``training.stage_senders``).
+        single_sender_reason: without ``per_stage_push``, why the engine cannot take one
+            sender per stage (its runs at PP > 1 push rank 0's gathered export, and say why).
     """
 
-    client: Callable[[str, ServerKeys | None], RolloutClient]
+    client: Callable[..., RolloutClient]
     fleet: type[RolloutFleet]
     servers: Mapping[str, ServerLaunch] = field(default_factory=dict)
     embedded: bool = False
     per_stage_push: bool = False
+    single_sender_reason: str = ""
 
     def fleet_from_urls(
-        self, urls: Sequence[str], keys: ServerKeys | None, **kwargs: Any
+        self,
+        urls: Sequence[str],
+        keys: ServerKeys | None,
+        *,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        **kwargs: Any,
     ) -> RolloutFleet:
-        """A fleet over running servers (reported, never restarted, when they die)."""
-        return self.fleet([self.client(url, keys) for url in urls], **kwargs)
+        """A fleet over running servers (reported, never restarted, when they die); every
+        client's calls time out after ``timeout_s`` seconds."""
+        return self.fleet([self.client(url, keys, timeout_s) for url in urls], **kwargs)
 
+
+# vLLM 0.32-0.34's weight transfer takes one sender per server: a worker holds one
+# weight-transfer engine with one group (v1/worker/gpu_worker.py: self.weight_transfer_engine;
+# distributed/weight_transfer/nccl_engine.py init_transfer_engine replaces
+# self.model_update_group), every bucket is broadcast from group rank 0 (receive_weights:
+# src=0), and vLLM 0.33's NCCL trainer engine refuses a parameter whose first owner is not rank 0
+# ("NCCL broadcast has a single sender, rank 0"). Per-stage groups would each replace the last.
+VLLM_SINGLE_SENDER = (
+    "vLLM's weight transfer takes one sender per server (one transfer engine and group per "
+    "worker, every bucket broadcast from rank 0: vllm/distributed/weight_transfer/"
+    "nccl_engine.py, 'NCCL broadcast has a single sender, rank 0'), so the pipeline stages "
+    "cannot each push their own layers; trainer rank 0 gathers every stage's layers and "
+    "pushes them, one tensor at a time"
+)
 
 ENGINES: dict[str, EngineSpec] = {
     "sglang": EngineSpec(
-        client=lambda url, keys: SGLangClient(url, keys=keys),
+        client=lambda url, keys, timeout_s=DEFAULT_TIMEOUT_S: SGLangClient(
+            url, timeout_s, keys=keys
+        ),
         fleet=RolloutFleet,
         servers={
-            "sglang": ServerLaunch(sglang_args.launch_args, plan_flags=sglang_args.plan_flags),
+            "sglang": ServerLaunch(
+                sglang_args.launch_args,
+                python='"$SGLANG_PY"',
+                preamble=sglang_args.launch_preamble,
+                env_python="sglang_python",
+                plan_flags=sglang_args.plan_flags,
+            ),
             "embedded": ServerLaunch(embedded_args.launch_args),
         },
         embedded=True,
@@ -108,13 +146,17 @@ ENGINES: dict[str, EngineSpec] = {
     ),
     "vllm": EngineSpec(
         # vLLM has one key level: its --api-key (VLLM_API_KEY).
-        client=lambda url, keys: VLLMClient(url, api_key=None if keys is None else keys.api_key),
+        client=lambda url, keys, timeout_s=DEFAULT_TIMEOUT_S: VLLMClient(
+            url, timeout_s, api_key=None if keys is None else keys.api_key
+        ),
         fleet=VLLMFleet,
+        single_sender_reason=VLLM_SINGLE_SENDER,
         servers={
             "vllm": ServerLaunch(
                 vllm_args.launch_args,
                 python='"$VLLM_PY"',
                 preamble=vllm_args.launch_preamble,
+                env_python="vllm_python",
                 mpirun_env=vllm_args.MPIRUN_ENV,
             )
         },

@@ -15,6 +15,7 @@ from megatron_sat.rollout.client import SGLangClient
 from megatron_sat.rollout.embedded.launch import EmbeddedServer
 from megatron_sat.rollout.engines import ENGINES
 from megatron_sat.rollout.fleet import RolloutFleet
+from megatron_sat.rollout.sglang.server_info import server_flag_errors
 from megatron_sat.weight_sync.options import weight_sync_options
 
 
@@ -31,7 +32,8 @@ def rollout_clients(cfg: RunConfig) -> Iterator[list[SGLangClient]]:
     embedded CPU servers when no URL is given."""
     if cfg.rollout.server_urls:
         keys = server_keys(cfg)
-        clients = [SGLangClient(url, keys=keys) for url in cfg.rollout.server_urls]
+        timeout = cfg.rollout.request_timeout_s
+        clients = [SGLangClient(url, timeout, keys=keys) for url in cfg.rollout.server_urls]
         yield clients
         return
     with contextlib.ExitStack() as stack:
@@ -45,11 +47,12 @@ def rollout_clients(cfg: RunConfig) -> Iterator[list[SGLangClient]]:
                     max_running_requests=cfg.rollout.prompts_per_step * cfg.rollout.group_size,
                     # the servers generate at once: each takes its share of the cores' threads
                     env=child_env(cfg.rollout.num_embedded_servers),
+                    client_timeout_s=cfg.rollout.request_timeout_s,
                 )
             )
             for i in range(cfg.rollout.num_embedded_servers)
         ]
-        yield [SGLangClient(server.url) for server in servers]
+        yield [server.client() for server in servers]
 
 
 def rollout_fleet(cfg: RunConfig) -> RolloutFleet:
@@ -62,9 +65,19 @@ def rollout_fleet(cfg: RunConfig) -> RolloutFleet:
     options = sync_options(cfg, len(cfg.rollout.server_urls) or cfg.rollout.num_embedded_servers)
     spec = ENGINES[cfg.rollout.engine]
     if cfg.rollout.server_urls or not spec.embedded:
-        return spec.fleet_from_urls(
-            cfg.rollout.server_urls, server_keys(cfg), updater_options=options
+        fleet = spec.fleet_from_urls(
+            cfg.rollout.server_urls,
+            server_keys(cfg),
+            timeout_s=cfg.rollout.request_timeout_s,
+            updater_options=options,
         )
+        if cfg.rollout.engine == "sglang":
+            try:
+                check_sglang_servers(fleet.clients, cfg)
+            except BaseException:
+                fleet.close()
+                raise
+        return fleet
     return spec.fleet.embedded(
         cfg.init_checkpoint,
         cfg.rollout.num_embedded_servers,
@@ -73,9 +86,31 @@ def rollout_fleet(cfg: RunConfig) -> RolloutFleet:
             "dtype": cfg.rollout.dtype,
             "enable_return_routed_experts": True,
             "max_running_requests": cfg.rollout.prompts_per_step * cfg.rollout.group_size,
+            "client_timeout_s": cfg.rollout.request_timeout_s,
         },
         updater_options=options,
     )
+
+
+def check_sglang_servers(clients: list[SGLangClient], cfg: RunConfig) -> None:
+    """Refuse SGLang servers given by URL that were started without what the run needs
+    (``rollout.sglang.server_info``), read from each one's ``/server_info``.
+
+    Raises:
+        ValueError: naming every server and the flag it lacks.
+    """
+    problems = []
+    for client in clients:
+        errors = server_flag_errors(
+            client.get_server_info(),
+            deterministic=cfg.rollout.clock_tokens > 0,
+            routed_experts=cfg.rollout.return_routed_experts,
+        )
+        problems += [f"  {client.base_url}: {error}" for error in errors]
+    if problems:
+        raise ValueError(
+            "rollout.server_urls: SGLang servers unfit for this run:\n" + "\n".join(problems)
+        )
 
 
 def sync_options(cfg: RunConfig, num_servers: int) -> dict:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 import random
 import time
@@ -73,6 +74,7 @@ from megatron_sat.training.schedule import (
 from megatron_sat.training.stage_senders import (
     STAGE_EXPORT,
     StageZeroUpdater,
+    single_sender_reason,
     uses_stage_senders,
 )
 from megatron_sat.training.step import distributed_rl_step, dp_shares, routing_diagnostic_due
@@ -89,6 +91,8 @@ __all__ = [
     "run_rl",
     "validate_run",
 ]
+
+logger = logging.getLogger("megatron_sat.training.rl")
 
 
 class PromptStream:
@@ -411,6 +415,8 @@ class _Lead:
         if uses_stage_senders(cfg):  # each pipeline stage sends its own layers
             fleet.updater_cls = functools.partial(StageZeroUpdater, followers, trainer)
             self.tensors = lambda: STAGE_EXPORT
+        elif (reason := single_sender_reason(cfg)) is not None:
+            logger.warning("weight push from trainer rank 0 alone: %s", reason)
         self.version = 0
         self.restart_s = 0.0  # of the current step
         self.counted: dict[str, float] = {}

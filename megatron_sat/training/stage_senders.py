@@ -27,11 +27,23 @@ def uses_stage_senders(cfg: RunConfig) -> bool:
     """Whether the run's weight push has one sender per pipeline stage
     (``weight_sync.megatron_push``, as slime): at PP > 1 with SGLang servers (embedded or by
     URL) each stage's sender rank (``is_stage_sender``) sends its own layers over its own
-    group, so no rank gathers the other stages' layers. vLLM's updater has no per-stage
-    protocol here: a vLLM run at PP > 1 pushes rank 0's gathered export, as at PP = 1
-    (``EngineSpec.per_stage_push``)."""
+    group, so no rank gathers the other stages' layers. vLLM cannot take several senders
+    (``EngineSpec.single_sender_reason``, from its source): a vLLM run at PP > 1 pushes rank
+    0's gathered export, as at PP = 1, and :func:`single_sender_reason` says why."""
     return (
         cfg.parallel.pipeline_model_parallel_size > 1 and ENGINES[cfg.rollout.engine].per_stage_push
+    )
+
+
+def single_sender_reason(cfg: RunConfig) -> str | None:
+    """Why a run at PP > 1 pushes from rank 0 alone (its engine takes one sender per server),
+    for the run to log at start; None when it does not (PP = 1, or one sender per stage)."""
+    spec = ENGINES[cfg.rollout.engine]
+    if cfg.parallel.pipeline_model_parallel_size == 1 or spec.per_stage_push:
+        return None
+    return (
+        f"rollout.engine={cfg.rollout.engine} at pipeline_model_parallel_size="
+        f"{cfg.parallel.pipeline_model_parallel_size}: {spec.single_sender_reason}"
     )
 
 

@@ -20,6 +20,11 @@ from megatron_sat.weight_sync.updater import (
 
 __all__ = ["UpdateStats", "WeightSyncError", "WeightUpdater", "pack_order"]
 
+# SGLang 0.5.23's answer when an update loaded (and recorded its weight_version) but the cache
+# flush after it was refused (srt/managers/scheduler_components/weight_updater.py,
+# flush_cache_after_weight_update): the weights are in, unlike any other failure.
+SGLANG_FLUSH_REFUSED = "Weights were updated, but the cache was not flushed"
+
 
 class WeightUpdater(BaseWeightUpdater):
     """Pushes HF-named tensors from trainer rank 0 to every rollout server (SGLang's protocol).
@@ -69,7 +74,11 @@ class WeightUpdater(BaseWeightUpdater):
     generation is resumed and ``WeightSyncError`` raised: weights and versions are unchanged.
     If some bucket was already applied somewhere, the servers hold a mix of old and new
     weights under the old version, so they are left paused and ``WeightSyncError`` says so:
-    retry ``update`` (it ends with ``/continue_generation``). Buckets are lazy: at most two
+    retry ``update`` (it ends with ``/continue_generation``). One failure is not a failure to
+    load: SGLang answers ``SGLANG_FLUSH_REFUSED`` when the final bucket loaded and the version
+    was recorded but the flush after it was refused; the error then says the servers hold the
+    new weights and version (with a cache that may hold the old weights' entries) and leaves
+    them paused for a retry. Buckets are lazy: at most two
     are materialised at a time (2 x ``bucket_bytes`` of staging on the group's device).
 
     The three steps are also public (``begin_update``, ``send_buckets``, ``end_update``) for
@@ -97,6 +106,9 @@ class WeightUpdater(BaseWeightUpdater):
             platform's choice for ``backend`` (``platform.host_copy.unpacked_from_bytes``:
             256 KiB on gloo, everything flattened on nccl); None: everything flattened.
     """
+
+    # Whether the last failure was only a refused flush after a complete load (see _fail).
+    _flush_refused = False
 
     def __init__(
         self,
@@ -190,7 +202,7 @@ class WeightUpdater(BaseWeightUpdater):
         if self._group is None:
             raise RuntimeError("call connect() before update()")
         start = time.perf_counter()
-        self._loaded = False
+        self._loaded = self._flush_refused = False
         if self.backend == "nccl":
             device = torch.device("cuda", torch.cuda.current_device())
         else:
@@ -210,6 +222,10 @@ class WeightUpdater(BaseWeightUpdater):
                 num_loaded, failures = self._send_bucket(bucket, version)
                 producer.release(bucket)
                 self._loaded |= num_loaded > 0
+                # Every failure a refused flush after a complete load: weights and version in.
+                self._flush_refused = bool(failures) and all(
+                    SGLANG_FLUSH_REFUSED in line for line in failures
+                )
                 if failures:
                     names = ", ".join(bucket.names[:3])
                     raise WeightSyncError(
@@ -259,7 +275,8 @@ class WeightUpdater(BaseWeightUpdater):
         except RuntimeError as e:  # gloo/nccl timeout or a peer that went away
             broadcast_error = e
         failures = failure_lines(self.clients, futures)
-        num_loaded = len(self.clients) - len(failures)
+        # A refused flush is reported after the bucket loaded (SGLang's message says so).
+        num_loaded = len(self.clients) - sum(SGLANG_FLUSH_REFUSED not in f for f in failures)
         if broadcast_error is not None and bucket.flat is None:
             # A server may receive per-tensor requests straight into its parameters (the
             # embedded one does): a broken broadcast can leave part of the bucket written, so
@@ -302,6 +319,13 @@ class WeightUpdater(BaseWeightUpdater):
                 self._on_servers(end, began, lambda c: c.end_weight_update())
             except WeightSyncError as end_error:
                 e = WeightSyncError(f"{e}\n{end_error}")
+        if loaded and self._flush_refused:
+            raise WeightSyncError(
+                f"{e}\nEvery server loaded all buckets and holds the new weight_version, but "
+                "the servers named above refused the cache flush after them (requests still "
+                "running or queued), so their cache may hold entries of the old weights; all "
+                "servers stay paused: retry update() (it loads, flushes and resumes)."
+            ) from error
         if loaded:
             raise WeightSyncError(
                 f"{e}\nSome servers already loaded earlier buckets; all servers stay paused "

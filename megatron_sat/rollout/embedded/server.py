@@ -8,6 +8,7 @@ spelled as ``sglang.launch_server``'s; ``--config`` is SGLang's YAML of flags, h
 
 Endpoints and JSON as sglang 0.5.23 (``srt/entrypoints/http_server.py``, ``io_struct.py``):
 ``/health`` and ``/health_generate``, ``/ready``, ``/model_info`` (carries ``weight_version``),
+``/server_info`` and ``/get_server_info`` (the start-up flags a trainer checks),
 ``/generate`` (token ids in, token ids out, as SGLang with ``--skip-tokenizer-init``: no
 ``text``), ``/flush_cache``, ``/pause_generation``, ``/continue_generation``,
 ``/init_weights_update_group``, ``/destroy_weights_update_group``, ``/begin_weight_update``,
@@ -86,6 +87,7 @@ import threading
 import time
 import uuid
 from collections import deque
+from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -210,12 +212,17 @@ class _Scheduler:
         self._abort = threading.Event()
         # Changed only under model_lock, so a batch reads the version its weights carry.
         self.weight_version = "default"  # SGLang's default --weight-version
+        # The running batch's decode steps and its weight-update events (old version, tokens
+        # per request then): a push lands inside a batch only in an "in_place" pause.
+        self._steps = 0
+        self._events: list[tuple[str, int]] = []
         threading.Thread(target=self._loop, name="generation", daemon=True).start()
 
     def submit(self, requests: list[EngineRequest]) -> list[Future]:
         """Queue requests in chunks of at most ``max_running_requests``; one future per chunk.
 
-        Each future resolves to (outputs of its chunk, weight_version the chunk ran under).
+        Each future resolves to (outputs of its chunk, weight_version when it finished, the
+        weight-update events of its batch: (old version, tokens per request then)).
         """
         size = self.max_running_requests
         works = [_Work(requests[i : i + size]) for i in range(0, len(requests), size)]
@@ -254,6 +261,7 @@ class _Scheduler:
         """Polled by the engine between decode steps: True aborts the batch; in an "in_place"
         pause the batch waits here, without the model lock, until resumed or aborted."""
         _crash_hook()
+        self._steps += 1  # every live request of the (lockstep) batch has this many tokens
         if self._abort.is_set():
             return True
         with self._cond:
@@ -261,6 +269,7 @@ class _Scheduler:
                 return False
             self._suspended = True
             self._cond.notify_all()
+        old_version = self.weight_version
         self.model_lock.release()
         try:
             with self._cond:
@@ -269,6 +278,8 @@ class _Scheduler:
                 self._suspended = False
         finally:
             self.model_lock.acquire()
+        if self.weight_version != old_version:  # SGLang's record_weight_version_events
+            self._events.append((old_version, self._steps))
         return self._abort.is_set()
 
     def abort_all(self) -> None:
@@ -279,7 +290,7 @@ class _Scheduler:
             self._abort.set()
             self._cond.notify_all()  # wakes a batch suspended in place
         for work in aborted:
-            work.future.set_result(([_aborted(r) for r in work.requests], self.weight_version))
+            work.future.set_result(([_aborted(r) for r in work.requests], self.weight_version, []))
         with self._cond:
             while self._running:
                 self._cond.wait()
@@ -300,6 +311,7 @@ class _Scheduler:
                     batch.append(self._pending.popleft())
                 self._running = size
                 self.model_lock.acquire()
+                self._steps, self._events = 0, []
             try:
                 self._run(batch)
             finally:
@@ -323,7 +335,7 @@ class _Scheduler:
             answered.add(w)
             mine = outputs[starts[w] : starts[w] + len(batch[w].requests)]
             # weight_version cannot change while this thread holds model_lock.
-            batch[w].future.set_result((mine, self.weight_version))
+            batch[w].future.set_result((mine, self.weight_version, list(self._events)))
 
         def on_finish(b: int, output: EngineOutput) -> None:
             outputs[b] = output
@@ -344,6 +356,28 @@ class _Scheduler:
         for w in range(len(batch)):
             if w not in answered:
                 answer(w)
+
+
+def version_spans(
+    events: Sequence[tuple[str, int]], current: str, num_tokens: int
+) -> list[dict[str, Any]]:
+    """SGLang 0.5.23's ``weight_versions`` of an output of ``num_tokens`` tokens (as its
+    ``compute_weight_version_spans`` then ``add_weight_versions_to_meta_info``,
+    ``srt/utils/weight_versions.py``): each event ``(old version, n)`` says the first ``n``
+    tokens (at most) came from ``old version``; later tokens from the next event's, the last
+    ones from ``current``. Consecutive equal versions merge; no tokens gives ``[current, 0, 0)``.
+    """
+    changes = [(old, min(n, num_tokens)) for old, n in events] + [(current, num_tokens)]
+    spans: list[dict[str, Any]] = []
+    for version, end in changes:
+        start = spans[-1]["end"] if spans else 0
+        if spans and end <= start:
+            continue
+        if spans and spans[-1]["version"] == version:
+            spans[-1]["end"] = end
+        else:
+            spans.append({"version": version, "start": start, "end": end})
+    return spans
 
 
 def _aborted(request: EngineRequest) -> EngineOutput:
@@ -421,10 +455,62 @@ class ServerState:
                 )
         return requests, is_batch
 
+    def model_info(self) -> dict[str, Any]:
+        """``/model_info`` (SGLang's fields; answered at once, paused or not)."""
+        return {
+            "model_path": self.config.model_path,
+            "is_generation": True,
+            "weight_version": self.scheduler.weight_version,
+            "architectures": self.engine.model.config.architectures,
+            "model_type": self.engine.model.config.model_type,
+        }
+
+    def server_info(self) -> dict[str, Any]:
+        """``/server_info``: SGLang 0.5.23 answers ``ServerArgs.resolved_dict()`` plus live
+        state; these are the fields of it a trainer reads (``rollout.sglang.server_info``).
+        This server always honours ``sampling_seed`` (SGLang only with
+        ``--enable-deterministic-inference``) and is one process (no TP, DP or PP)."""
+        c = self.config
+        return {
+            "model_path": c.model_path,
+            "host": c.host,
+            "port": c.port,
+            "random_seed": c.random_seed,
+            "dtype": c.dtype,
+            "tp_size": 1,
+            "dp_size": 1,
+            "pp_size": 1,
+            "enable_return_routed_experts": c.enable_return_routed_experts,
+            "enable_deterministic_inference": True,
+            "max_running_requests": c.max_running_requests,
+            "weight_version": self.scheduler.weight_version,
+        }
+
+    def render_all(
+        self,
+        body: dict[str, Any],
+        requests: list[EngineRequest],
+        chunks: Sequence[tuple[list[EngineOutput], str, list[tuple[str, int]]]],
+    ) -> list[dict]:
+        """The /generate output objects of ``requests``, from the scheduler's chunks
+        (outputs, weight_version, weight-update events: ``_Scheduler.submit``)."""
+        outputs = [(out, version, events) for chunk, version, events in chunks for out in chunk]
+        return [
+            self.render(body, r, o, version, events)
+            for r, (o, version, events) in zip(requests, outputs, strict=True)
+        ]
+
     def render(
-        self, body: dict[str, Any], req: EngineRequest, out: EngineOutput, weight_version: str
+        self,
+        body: dict[str, Any],
+        req: EngineRequest,
+        out: EngineOutput,
+        weight_version: str,
+        events: Sequence[tuple[str, int]] = (),
     ) -> dict:
-        """One SGLang /generate output object."""
+        """One SGLang /generate output object; ``events``: the batch's weight updates (old
+        version, tokens per request then), which make its ``weight_versions`` spans."""
+        spans = version_spans(events, weight_version, len(out.output_ids))
         finish: dict[str, Any]
         if out.finish_reason == "stop":
             finish = {"type": "stop", "matched": out.matched_stop}
@@ -438,7 +524,10 @@ class ServerState:
             "prompt_tokens": len(req.input_ids),
             "completion_tokens": len(out.output_ids),
             "cached_tokens": 0,
-            "weight_version": weight_version,
+            # SGLang 0.5.23 (utils/weight_versions.py, add_weight_versions_to_meta_info): the
+            # spans of every finished or aborted output, and the last span's version.
+            "weight_versions": spans,
+            "weight_version": spans[-1]["version"],
         }
         if body.get("return_logprob"):
             meta["output_token_logprobs"] = [
@@ -676,13 +765,12 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/model_info")
     async def model_info() -> dict:
-        return {
-            "model_path": state.config.model_path,
-            "is_generation": True,
-            "weight_version": state.scheduler.weight_version,
-            "architectures": state.engine.model.config.architectures,
-            "model_type": state.engine.model.config.model_type,
-        }
+        return state.model_info()
+
+    @app.get("/server_info")
+    @app.get("/get_server_info")
+    async def server_info() -> dict:
+        return state.server_info()
 
     @app.api_route("/generate", methods=["POST", "PUT"])
     async def generate(request: Request) -> Response:
@@ -696,11 +784,7 @@ def create_app(state: ServerState) -> FastAPI:
             chunks = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
         except Exception as e:  # the engine failed; the log has the traceback
             return JSONResponse({"error": {"message": f"generation failed: {e!r}"}}, 500)
-        outputs = [(out, version) for chunk, version in chunks for out in chunk]
-        rendered = [
-            state.render(body, r, o, version)
-            for r, (o, version) in zip(requests, outputs, strict=True)
-        ]
+        rendered = state.render_all(body, requests, chunks)
         return JSONResponse(rendered if is_batch else rendered[0])
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])

@@ -3,6 +3,7 @@ launch scripts (``megatron_sat.launch.render``). Pure: imports nothing heavy."""
 
 from __future__ import annotations
 
+import shlex
 from typing import TYPE_CHECKING
 
 from megatron_sat.config.launch import LaunchConfig
@@ -44,3 +45,17 @@ def launch_args(launch: LaunchConfig, start: ServerStart) -> list[str]:
 def plan_flags(launch: LaunchConfig) -> str:
     """What the printed plan shows of a server's flags beyond the common ones."""
     return f" --tp-size {launch.rollout_server_tp}"
+
+
+def launch_preamble(sglang_python: str | None, keys: bool) -> list[str]:
+    """The SGLang servers' interpreter, ``$SGLANG_PY``: their own environment
+    (``launch.sglang_env``; sglang 0.5.23 pins torch 2.14.1, transformers 5.19.0 and a CUDA 13
+    flashinfer, which must not replace the trainer's torch under its transformer-engine build).
+    The script stops at once, naming the field, when the interpreter is missing."""
+    del keys  # SGLang reads its keys from --config (rollout.sglang.args.common_args)
+    return [
+        "# SGLang servers run from their own environment (launch.sglang_env).",
+        f"SGLANG_PY={shlex.quote(str(sglang_python))}",
+        '[[ -x "$SGLANG_PY" ]] || { echo "no SGLang interpreter at $SGLANG_PY (launch.sglang_env; '
+        'bash tools/sglang_env.sh makes one on a CUDA machine)" >&2; exit 1; }',
+    ]

@@ -48,6 +48,7 @@ from megatron_sat.rollout.engine import (
     prompt_batch,
 )
 from megatron_sat.rollout.sampling import GenerateOutput, RoutingSpec, SamplingParams
+from megatron_sat.rollout.weight_versions import spans_to_versions
 from megatron_sat.weight_sync.channel import PAUSE_MODES
 
 # vLLM's pause modes (vllm/v1/engine PauseMode).
@@ -94,6 +95,8 @@ class VLLMClient(HTTPClient):
         timeout_s: timeout of every HTTP call, seconds (generation included).
         max_retries: extra attempts of idempotent calls on connection errors / HTTP 503.
         retry_backoff_s: sleep before the first retry, doubled after each.
+        paused_timeout_s: how long a call refused by a paused server (vLLM >= 0.33: HTTP 503)
+            waits for it to resume, seconds (``rollout.engine``); None = ``timeout_s``.
         max_concurrency: requests of one batch in flight at once (vLLM batches them).
         api_key: sent as ``Authorization: Bearer`` (vLLM's ``--api-key``), or None.
     """
@@ -113,6 +116,7 @@ class VLLMClient(HTTPClient):
         retry_backoff_s: float = 0.5,
         max_concurrency: int = 64,
         api_key: str | None = None,
+        paused_timeout_s: float | None = None,
     ) -> None:
         if max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
@@ -121,6 +125,7 @@ class VLLMClient(HTTPClient):
             timeout_s,
             max_retries=max_retries,
             retry_backoff_s=retry_backoff_s,
+            paused_timeout_s=paused_timeout_s,
             headers={"Authorization": f"Bearer {api_key}"} if api_key else None,
             limits=httpx.Limits(max_connections=max_concurrency + 4),
         )
@@ -365,23 +370,6 @@ def token_versions(output: GenerateOutput) -> list[str]:
         ValueError: when the output has no spans covering its tokens.
     """
     return spans_to_versions(output.meta_info.get("weight_versions") or [], len(output.output_ids))
-
-
-def spans_to_versions(spans: Sequence[dict[str, Any]], num_tokens: int) -> list[str]:
-    """vLLM's ``weight_versions`` spans (``{"version", "start", "end"}``, ``[start, end)``
-    over the output tokens, in order) as one version per token.
-
-    Raises:
-        ValueError: when the spans are not contiguous from 0 or do not cover ``num_tokens``.
-    """
-    versions: list[str] = []
-    for span in spans:
-        if span["start"] != len(versions) or span["end"] < span["start"]:
-            raise ValueError(f"weight_versions spans are not contiguous: {span}")
-        versions += [str(span["version"])] * (span["end"] - span["start"])
-    if len(versions) != num_tokens:
-        raise ValueError(f"spans cover {len(versions)} of {num_tokens} tokens")
-    return versions
 
 
 def _span_versions(spans: Sequence[dict[str, Any]], num_tokens: int, where: str) -> list[str]:
