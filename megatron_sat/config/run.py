@@ -102,6 +102,10 @@ class RolloutConfig:
         filter_max_resample: with ``filter_groups``, at most this many replacement groups per
             step per prompt of the batch (``filter_max_resample * prompts_per_step``); then
             groups are kept whatever their rewards.
+        max_reply_bytes: cap of every reply of a rollout server, bytes; a larger one is
+            refused while it is read, naming the server and endpoint, and retried
+            (``megatron_sat.rollout.protocol``). 0 sizes each ``/generate`` reply's cap from its
+            prompts, ``max_new_tokens`` and the routing shape (layers x top-k).
     """
 
     engine: str = "sglang"
@@ -126,6 +130,7 @@ class RolloutConfig:
     eval_samples_per_prompt: int = 4
     filter_groups: bool = False
     filter_max_resample: int = 4
+    max_reply_bytes: int = 0
 
     def __post_init__(self) -> None:
         _positive(
@@ -161,6 +166,11 @@ class RolloutConfig:
             )
         if self.lag < 0:
             raise ValueError(f"rollout.lag must be >= 0, got {self.lag}")
+        if isinstance(self.max_reply_bytes, bool) or self.max_reply_bytes < 0:
+            raise ValueError(
+                f"rollout.max_reply_bytes must be >= 0 (0: sized per request), got "
+                f"{self.max_reply_bytes!r}"
+            )
         if self.clock_tokens < 0 or (self.clock_tokens and self.mode != "bounded"):
             raise ValueError(
                 f"rollout.clock_tokens must be >= 0 and applies to mode=bounded (fixed_lag and "

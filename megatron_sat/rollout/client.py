@@ -34,6 +34,7 @@ from megatron_sat.rollout.engine import (
     prompt_batch,
     request_with_retries,
 )
+from megatron_sat.rollout.protocol import ReplyGuard, ReplyRefused, generate_reply_cap
 from megatron_sat.rollout.sampling import (
     SAMPLING_EPS,
     GenerateOutput,
@@ -76,6 +77,9 @@ class SGLangClient(HTTPClient):
             None for a server started without keys.
     """
 
+    # A reply refused by the protocol checks (rollout.protocol) is retried like these.
+    retry_on = (*RETRY_TRANSPORT_ERRORS, ReplyRefused)
+
     def __init__(
         self,
         base_url: str,
@@ -89,6 +93,8 @@ class SGLangClient(HTTPClient):
             base_url, timeout_s, max_retries=max_retries, retry_backoff_s=retry_backoff_s
         )
         self.keys = keys or ServerKeys()
+        self.guard = ReplyGuard(self.base_url)  # size, JSON, log-probs, versions
+        self.guard.install(self._http)
 
     # ---- generation -------------------------------------------------------------------------
 
@@ -129,12 +135,23 @@ class SGLangClient(HTTPClient):
         if routing is not None:
             body["return_routed_experts"] = True
             body["routed_experts_start_len"] = routed_experts_start_len
-        reply = self._request("POST", "/generate", body, retry=True).json()
+        news = [p.max_new_tokens for p in per_prompt_params(sampling, len(batch))]
+        with self.guard.expecting(generate_reply_cap([len(p) for p in batch], news, routing)):
+            reply = self.guard.fetch_json(
+                lambda: self._request("POST", "/generate", body, retry=True),
+                attempts=1 + self.max_retries,
+                backoff_s=self.retry_backoff_s,
+                error=self.error,
+            )
         items = reply if isinstance(reply, list) else [reply]
         if len(items) != len(batch):
             raise SGLangError(f"{self.base_url}/generate: {len(items)} outputs for {len(batch)}")
         return [
-            self._parse_output(item, len(prompt), routing, routed_experts_start_len, return_logprob)
+            self.guard.check_output(
+                self._parse_output(
+                    item, len(prompt), routing, routed_experts_start_len, return_logprob
+                )
+            )
             for item, prompt in zip(items, batch, strict=True)
         ]
 

@@ -56,6 +56,7 @@ from megatron_sat.rollout.datasets import PromptRecord, load_prompt_dataset
 from megatron_sat.rollout.fleet import PushReport, sync_servers
 from megatron_sat.rollout.meter import MeterSnapshot, ServerMeter, server_metrics
 from megatron_sat.rollout.pool import NoLiveServer, RolloutPool
+from megatron_sat.rollout.protocol import refusal_metrics
 from megatron_sat.rollout.rewards import RewardWorkers
 from megatron_sat.rollout.seeds import request_seed
 from megatron_sat.rollout.types import Sample, staleness
@@ -441,7 +442,13 @@ class _Lead:
         # The cumulative counters logged at the checkpoint resumed from: this process counts on.
         self.counted = {} if state is None else state.extra.get("counters", {})
         try:  # through sync_servers like every push: a server restarted here reaches the pool
-            sync_servers(self.fleet, self.pools, self.tensors, self.version)
+            sync_servers(
+                self.fleet,
+                self.pools,
+                self.tensors,
+                self.version,
+                max_reply_bytes=self.cfg.rollout.max_reply_bytes,
+            )
         finally:
             self.followers.finish_export()
 
@@ -462,7 +469,13 @@ class _Lead:
     def push(self) -> PushReport:
         """The trainer's weights as ``version`` to every server, dead ones replaced."""
         try:
-            report = sync_servers(self.fleet, self.pools, self.tensors, self.version)
+            report = sync_servers(
+                self.fleet,
+                self.pools,
+                self.tensors,
+                self.version,
+                max_reply_bytes=self.cfg.rollout.max_reply_bytes,
+            )
         finally:
             self.followers.finish_export()
         self.restart_s += report.restart_s
@@ -595,6 +608,7 @@ class _Lead:
         # Per server index, since the previous step's log (evaluation included).
         now = self.meter.snapshot()
         metrics.update(server_metrics(self.snapshot, now))
+        metrics.update(refusal_metrics(self.fleet.clients))  # rollout.protocol's, cumulative
         self.snapshot = now
         counters = {
             "rollout/reissued": float(sum(p.stats.reissued for p in self.pools)),
