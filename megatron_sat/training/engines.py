@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 from megatron_sat.config import RunConfig
 from megatron_sat.platform.device import get_device, weight_sync_backend
-from megatron_sat.rollout.auth import ServerKeys, load_server_keys
+from megatron_sat.rollout.auth import ServerKeys, generate_server_keys, load_server_keys
 from megatron_sat.rollout.client import SGLangClient
 from megatron_sat.rollout.embedded.launch import EmbeddedServer
 from megatron_sat.rollout.engines import ENGINES
@@ -36,17 +36,24 @@ def rollout_clients(cfg: RunConfig) -> Iterator[list[SGLangClient]]:
     with contextlib.ExitStack() as stack:
         servers = [
             stack.enter_context(
-                EmbeddedServer(
-                    cfg.init_checkpoint,
-                    random_seed=cfg.train.seed + i,
-                    dtype=cfg.rollout.dtype,
-                    enable_return_routed_experts=True,
-                    max_running_requests=cfg.rollout.prompts_per_step * cfg.rollout.group_size,
-                )
+                EmbeddedServer(cfg.init_checkpoint, **embedded_server_options(cfg, i))
             )
             for i in range(cfg.rollout.num_embedded_servers)
         ]
-        yield [SGLangClient(server.url) for server in servers]
+        yield [server.client() for server in servers]
+
+
+def embedded_server_options(cfg: RunConfig, index: int) -> dict:
+    """``EmbeddedServer`` options of embedded server ``index``: its seed, dtype, batch, and
+    API keys generated for it (``rollout.auth.generate_server_keys``), as the multi-node
+    launch scripts give theirs: its port on 127.0.0.1 answers only the trainer."""
+    return {
+        "random_seed": cfg.train.seed + index,
+        "dtype": cfg.rollout.dtype,
+        "enable_return_routed_experts": True,
+        "max_running_requests": cfg.rollout.prompts_per_step * cfg.rollout.group_size,
+        "keys": generate_server_keys(),
+    }
 
 
 def rollout_fleet(cfg: RunConfig) -> RolloutFleet:
@@ -65,12 +72,7 @@ def rollout_fleet(cfg: RunConfig) -> RolloutFleet:
     return spec.fleet.embedded(
         cfg.init_checkpoint,
         cfg.rollout.num_embedded_servers,
-        server_options=lambda i: {
-            "random_seed": cfg.train.seed + i,
-            "dtype": cfg.rollout.dtype,
-            "enable_return_routed_experts": True,
-            "max_running_requests": cfg.rollout.prompts_per_step * cfg.rollout.group_size,
-        },
+        server_options=lambda i: embedded_server_options(cfg, i),
         updater_options=options,
     )
 
