@@ -311,7 +311,11 @@ def main(argv: list[str] | None = None) -> int:
     sw.set_defaults(func=_sweep)
     args = parser.parse_args(argv)
     args.argv = argv
-    return args.func(args)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:  # Ctrl-C outside the run's own handler (training.stop)
+        print(f"megatron-sat {args.command}: interrupted (Ctrl-C)", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

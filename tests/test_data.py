@@ -326,3 +326,16 @@ def test_run_logger(tmp_path):
     RunLogger(tmp_path / "run", resume_step=1).close()
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == [0, 1]
+
+
+def test_a_non_utf8_line_is_named_with_its_file_line_and_column(tmp_path):
+    from megatron_sat.rollout.datasets import DatasetFormatError, load_prompt_dataset
+
+    path = tmp_path / "train.jsonl"
+    good = b'{"prompt": "1+1=", "label": "2"}\n'
+    path.write_bytes(good * 2 + b'{"prompt": "caf\xe9", "label": "2"}\n' + good)
+    with pytest.raises(DatasetFormatError) as info:
+        load_prompt_dataset(path)
+    assert str(info.value).startswith(
+        f"{path}, line 3: not UTF-8 (byte 0xe9 at column 16: invalid continuation byte)"
+    )

@@ -127,10 +127,11 @@ def test_reward_workers_score_concurrently_with_timeouts():
         RewardWorkers(timeout_s=0)
 
 
-def test_reward_workers_survive_a_killed_worker():
+def test_reward_workers_survive_a_killed_worker(capfd):
     """A SIGKILLed worker (the OOM killer) breaks a ProcessPoolExecutor for good and fails
-    every pending task (found by review: one kill ended the RL run): the pool is replaced
-    and the pending pair scored again; later pairs score as before."""
+    every pending task (found by review: one kill ended the RL run): the pool is replaced,
+    said on stderr and counted (the run logs ``rollout/reward_worker_restarts``), and the
+    pending pair scored again; later pairs score as before."""
     import os
     import signal
 
@@ -141,6 +142,7 @@ def test_reward_workers_survive_a_killed_worker():
             os.kill(pid, signal.SIGKILL)
         assert pending.result(timeout=120) == 0.0
         assert workers.restarts == 1
+        assert "reward workers: a worker died" in capfd.readouterr().err
         assert workers("\\boxed{82}", "82") == 1.0
         with pytest.raises(ValueError):
             workers("\\boxed{82}", "")  # math_reward's own error still reaches the caller

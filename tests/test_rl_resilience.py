@@ -18,7 +18,13 @@ class ProbeClient(SGLangClient):
     kills its server as call n arrives (the server dies with that request in flight)."""
 
     def __init__(self, server, kill_on_call=None):
-        super().__init__(server.url, timeout_s=120, max_retries=1, retry_backoff_s=0.1)
+        super().__init__(
+            server.url,
+            timeout_s=120,
+            max_retries=1,
+            retry_backoff_s=0.1,
+            keys=server.config.keys,  # the keys the run generated for its embedded servers
+        )
         self.server, self.kill_on_call = server, kill_on_call
         self.calls = 0
         self.version_at_first_generate = None

@@ -17,6 +17,7 @@ from megatron_sat.rollout.embedded.launch import EmbeddedServer
 from megatron_sat.rollout.fleet import PushReport, RolloutFleet, sync_servers
 from megatron_sat.rollout.meter import ServerMeter, server_metrics
 from megatron_sat.rollout.pool import NoLiveServer, RolloutPool
+from megatron_sat.rollout.protocol import ReplyGuard
 from megatron_sat.weight_sync.broadcast import UpdateStats
 
 
@@ -34,6 +35,7 @@ class FakeServer:
 
     def __init__(self, name, *, version=0, clock=None, latency=0.0):
         self.base_url = f"fake://{name}"
+        self.guard = ReplyGuard(self.base_url)  # sync_servers tells it the pushed version
         self.version, self.clock, self.latency = version, clock, latency
         self.alive = True
         self.calls = 0

@@ -361,7 +361,16 @@ def test_client_names_the_server_for_a_malformed_body():
 
     bad = orjson.dumps(_reply(13)).replace(b'"routed_experts":"', b'"routed_experts":"*', 1)
     routing = RoutingSpec(num_layers=48, top_k=8, num_experts=128)
+
+    def client(body: bytes):
+        # a malformed body is refused and sent again (rollout.protocol): one body per attempt
+        out = _mock_client([body] * 2)
+        out.max_retries, out.retry_backoff_s = 1, 0.0
+        return out
+
     with pytest.raises(SGLangError, match=r"http://sglang.test/generate: .*not valid base64"):
-        _mock_client([bad]).generate([1] * 7, SamplingParams(max_new_tokens=5), routing=routing)
-    with pytest.raises(SGLangError, match=r"http://sglang.test/generate: reply body is not valid"):
-        _mock_client([b"{"]).generate([1] * 7, SamplingParams(max_new_tokens=5))
+        client(bad).generate([1] * 7, SamplingParams(max_new_tokens=5), routing=routing)
+    with pytest.raises(
+        SGLangError, match=r"http://sglang.test/generate: reply is not JSON \(reply body is not"
+    ):
+        client(b"{").generate([1] * 7, SamplingParams(max_new_tokens=5))

@@ -89,7 +89,7 @@ SERVER_URLS="[$(IFS=,; echo "${URLS[*]}")]"
 echo "rollout servers: $SERVER_URLS" >&2
 MASTER_PORT=29500
 set +e
-CUDA_VISIBLE_DEVICES=0,1,2,3 "$PY" -m torch.distributed.run --nnodes=1 --node-rank=0 --nproc-per-node=4 --master-addr=127.0.0.1 --master-port="$MASTER_PORT" -m megatron_sat.cli train --config runs/qwen3_30b_a3b_sat_gspo_r3/launch/config.yaml ${SERVER_URLS:+"rollout.server_urls=$SERVER_URLS"} 2>&1 | tee "$LOG_DIR/trainer_node0.log"
+CUDA_VISIBLE_DEVICES=0,1,2,3 "$PY" -m megatron_sat.platform.torchrun --nnodes=1 --node-rank=0 --nproc-per-node=4 --master-addr=127.0.0.1 --master-port="$MASTER_PORT" -m megatron_sat.cli train --config runs/qwen3_30b_a3b_sat_gspo_r3/launch/config.yaml ${SERVER_URLS:+"rollout.server_urls=$SERVER_URLS"} 2>&1 | tee "$LOG_DIR/trainer_node0.log"
 status=${PIPESTATUS[0]}
 set -e
 echo "trainer exited with status $status" >&2

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_sat.checkpoint.safe_dcp import restricted_dcp_loading
 from megatron_sat.checkpoint.sharding import unwrap
 
 HF_CONFIG_FILE = "hf_config.json"
@@ -96,12 +97,16 @@ def save_dist_checkpoint(state: Mapping[str, Any], ckpt_dir: str | Path) -> Path
 
 
 def load_dist_checkpoint(state: Mapping[str, Any], ckpt_dir: str | Path) -> dict[str, Any]:
-    """``dist_checkpointing.load`` with every missing or unexpected key an error.
+    """``dist_checkpointing.load`` with every missing or unexpected key an error, reading
+    ``.metadata`` and the checkpoint's objects without running code from them
+    (``checkpoint.safe_dcp``).
 
     Raises:
         FileNotFoundError: when ``ckpt_dir`` is not a megatron-core distributed checkpoint.
         megatron.core.dist_checkpointing.core.CheckpointingException: for keys missing from
             the checkpoint or present only there (megatron-core names them).
+        UnsafeMetadataError: a ``.metadata`` or an object that would need code to load,
+            naming the file or the object.
     """
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
@@ -109,7 +114,8 @@ def load_dist_checkpoint(state: Mapping[str, Any], ckpt_dir: str | Path) -> dict
     path = Path(ckpt_dir)
     if not (path / MCORE_MARKER).exists():
         raise FileNotFoundError(f"{path} is not a megatron-core distributed checkpoint")
-    return dist_checkpointing.load(dict(state), str(path), strict=StrictHandling.RAISE_ALL)
+    with restricted_dcp_loading():
+        return dist_checkpointing.load(dict(state), str(path), strict=StrictHandling.RAISE_ALL)
 
 
 def save_model_checkpoint(

@@ -16,7 +16,9 @@ A run checkpoint ``<run_dir>/checkpoints/step_<00000012>/`` holds
 Everything the resume reads is loaded with ``torch.load(weights_only=True)``: no code runs
 from a run folder (checkpoints of format 1, written before, load through a scoped allowlist
 of numeric numpy arrays; anything else pickled is refused naming the file, see
-:mod:`~megatron_sat.checkpoint.safe_files`).
+:mod:`~megatron_sat.checkpoint.safe_files`); ``dist/.metadata``, which torch unpickles, goes
+through a restricted unpickler (:mod:`~megatron_sat.checkpoint.safe_dcp`), so a crafted one is
+refused even when its manifest was forged to match.
 
 Commit protocol (crash-safe at any instant): a checkpoint is written into ``step_N.tmp``,
 each rank hashes the files it wrote and rank 0 gathers the hashes, every file is fsynced
@@ -67,6 +69,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_sat.checkpoint import manifest
+from megatron_sat.checkpoint.disk_errors import named_disk_errors
 from megatron_sat.checkpoint.dist_ckpt import (
     load_dist_checkpoint,
     model_sharded_state_dict,
@@ -312,6 +315,8 @@ def save_run_checkpoint(
             uncommitted one, left by a crash, is removed and written again).
         TypeError: on every rank, before anything is written, when the run state holds a
             value that is not plain data (named by its place in the state).
+        DiskFullError: when the disk filled up during the write (``checkpoint.disk_errors``:
+            megatron-core's writer loses the errno); nothing is committed.
     """
     root = Path(run_dir) / CHECKPOINTS
     final = root / f"step_{step:08d}"
@@ -346,20 +351,9 @@ def save_run_checkpoint(
     error = broadcast_from_rank0(error)
     if error is not None:
         raise {"TypeError": TypeError, "FileExistsError": FileExistsError}[error[0]](error[1])
-    save_dist_checkpoint(_sharded_state(model, optimizer, is_loading=False), tmp / "dist")
+    with named_disk_errors(tmp, f"run checkpoint of step {step}"):
+        _write_files(tmp, model, optimizer, plain, step, weight_version)
     if _rank() == 0:
-        _at("writing", step)  # a crash in the middle of the write
-    torch.save(rng_state(), tmp / "rng" / f"rank_{_rank():05d}.pt")
-    if _rank() == 0:
-        torch.save(plain, tmp / "state.pt")
-        meta = {"step": step, "weight_version": weight_version, "format": FORMAT, **_layout()}
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-    _barrier()
-    parts = _gather(_hash_own_files(tmp))  # each rank hashes what it wrote
-    if _rank() == 0:
-        _fsync_tree(tmp)
-        manifest.write_manifest(tmp, parts)
-        _fsync_path(tmp)
         _at("written", step)
         tmp.rename(final)
         _fsync_path(root)
@@ -378,6 +372,24 @@ def save_run_checkpoint(
                 shutil.rmtree(old)
     _barrier()
     return final
+
+
+def _write_files(tmp: Path, model, optimizer, plain, step: int, weight_version: int) -> None:
+    """Every file of the checkpoint into ``tmp`` and its manifest, fsynced (collective)."""
+    save_dist_checkpoint(_sharded_state(model, optimizer, is_loading=False), tmp / "dist")
+    if _rank() == 0:
+        _at("writing", step)  # a crash in the middle of the write
+    torch.save(rng_state(), tmp / "rng" / f"rank_{_rank():05d}.pt")
+    if _rank() == 0:
+        torch.save(plain, tmp / "state.pt")
+        meta = {"step": step, "weight_version": weight_version, "format": FORMAT, **_layout()}
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+    _barrier()
+    parts = _gather(_hash_own_files(tmp))  # each rank hashes what it wrote
+    if _rank() == 0:
+        _fsync_tree(tmp)
+        manifest.write_manifest(tmp, parts)
+        _fsync_path(tmp)
 
 
 class CheckpointVerificationError(ValueError):

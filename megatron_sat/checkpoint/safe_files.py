@@ -18,9 +18,9 @@ above all, is refused naming the file and the global (:class:`UnsafeFileError`);
 opt-in to unpickle anyway, because a flag kept in a shared config would trust every future
 file as well, and megatron-sat never wrote a run file that needs more than this allowlist.
 
-Not covered here: the distributed checkpoint itself (``dist/``), whose ``.metadata`` torch's
-checkpoint reader unpickles (found by review; open in issue 22). Until it is read through a
-restricted unpickler too, a run folder from an untrusted source can still run code on resume.
+The distributed checkpoint itself (``dist/``: torch's reader unpickles its ``.metadata`` and
+its objects) is read through a restricted unpickler and weights-only loads by
+:mod:`megatron_sat.checkpoint.safe_dcp`.
 """
 
 from __future__ import annotations

@@ -172,6 +172,11 @@ class LaunchConfig:
         job_name: sbatch ``--job-name``; None = the run directory's name.
         partition, account: sbatch ``--partition`` / ``--account``; None = omitted.
         time_limit: sbatch ``--time`` (e.g. "24:00:00"); None = omitted.
+        stop_signal_lead_s: seconds before the time limit at which SLURM sends the batch
+            script SIGUSR1 (``#SBATCH --signal=B:USR1@<s>``), passed on to the trainer ranks,
+            which finish their step, save a run checkpoint and exit 0
+            (``megatron_sat.training.stop``); size it above one step plus one save. 0 = not
+            asked for.
         cpus_per_node: sbatch ``--cpus-per-task`` (one task per node); None = omitted.
         env: environment variables exported to every process (OMP_NUM_THREADS, NCCL_*, ...).
         server_startup_timeout_s: how long the scripts wait for every server's /health, seconds.
@@ -204,6 +209,7 @@ class LaunchConfig:
     partition: str | None = None
     account: str | None = None
     time_limit: str | None = None
+    stop_signal_lead_s: int = 600
     cpus_per_node: int | None = None
     env: dict[str, str] = field(default_factory=dict)
     server_startup_timeout_s: float = 1800.0
@@ -240,6 +246,8 @@ class LaunchConfig:
         check(_is_int(mp) and mp >= 1, "max_prompt_tokens", "an int >= 1")
         check(self.reserved_memory_gib >= 0, "reserved_memory_gib", ">= 0")
         check(self.server_startup_timeout_s > 0, "server_startup_timeout_s", "> 0")
+        lead = self.stop_signal_lead_s
+        check(_is_int(lead) and 0 <= lead <= 65535, "stop_signal_lead_s", "an int in [0, 65535]")
         cpus = self.cpus_per_node
         check(cpus is None or (_is_int(cpus) and cpus >= 1), "cpus_per_node", "None or >= 1")
         check(

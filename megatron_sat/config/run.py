@@ -120,6 +120,10 @@ class RolloutConfig:
             responses' limit, prompts not counted).
         pool_host_memory_gib: refuse a launch whose pool needs more host memory than this on
             rank 0, GiB; null: printed, not checked.
+        max_reply_bytes: cap of every reply of a rollout server, bytes; a larger one is
+            refused while it is read, naming the server and endpoint, and retried
+            (``megatron_sat.rollout.protocol``). 0 sizes each ``/generate`` reply's cap from its
+            prompts, ``max_new_tokens`` and the routing shape (layers x top-k).
     """
 
     engine: str = "sglang"
@@ -148,6 +152,7 @@ class RolloutConfig:
     pool_storage: str = "rank0_host"
     pool_tokens_per_sample: int | None = None
     pool_host_memory_gib: float | None = None
+    max_reply_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.pool_storage not in POOL_STORAGES:
@@ -192,6 +197,11 @@ class RolloutConfig:
             )
         if self.lag < 0:
             raise ValueError(f"rollout.lag must be >= 0, got {self.lag}")
+        if isinstance(self.max_reply_bytes, bool) or self.max_reply_bytes < 0:
+            raise ValueError(
+                f"rollout.max_reply_bytes must be >= 0 (0: sized per request), got "
+                f"{self.max_reply_bytes!r}"
+            )
         if self.clock_tokens < 0 or (self.clock_tokens and self.mode != "bounded"):
             raise ValueError(
                 f"rollout.clock_tokens must be >= 0 and applies to mode=bounded (fixed_lag and "

@@ -254,7 +254,7 @@ def render_torchrun(plan: LaunchPlan, ctx: RenderContext) -> str:
     lines += _master_port(plan)
     lines += [
         "set +e",
-        f'{env}"$PY" -m torch.distributed.run --nnodes=1 --node-rank=0 '
+        f'{env}"$PY" -m megatron_sat.platform.torchrun --nnodes=1 --node-rank=0 '
         f"--nproc-per-node={la.trainer_ranks_per_node} --master-addr=127.0.0.1 "
         f'--master-port="$MASTER_PORT" {_trainer_args(ctx)} {_url_override(plan)} '
         '2>&1 | tee "$LOG_DIR/trainer_node0.log"',
@@ -287,6 +287,8 @@ def render_sbatch(plan: LaunchPlan, ctx: RenderContext) -> str:
     ):
         if value is not None:
             header.append(f"#SBATCH --{flag}={value}")
+    if la.stop_signal_lead_s:  # to the batch shell only (B:), which passes it to the trainer
+        header.append(f"#SBATCH --signal=B:USR1@{la.stop_signal_lead_s}")
     lines = header + _preamble(plan, ctx, "SLURM launch")
     lines += [
         'mapfile -t NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")',
@@ -328,7 +330,7 @@ def render_sbatch(plan: LaunchPlan, ctx: RenderContext) -> str:
     visible = _devices(range(la.trainer_ranks_per_node))
     inner = (
         (f"export CUDA_VISIBLE_DEVICES={visible}; " if la.device == "cuda" else "")
-        + f'exec "$0" -m torch.distributed.run --nnodes={la.trainer_nodes} '
+        + f'exec "$0" -m megatron_sat.platform.torchrun --nnodes={la.trainer_nodes} '
         f'--node-rank="$SLURM_PROCID" --nproc-per-node={la.trainer_ranks_per_node} '
         f'--master-addr="$1" --master-port="$2" {_trainer_args(ctx)} '
         '${3:+"rollout.server_urls=$3"}' + (' "rollout.server_key_file=$4"' if keys else "")
@@ -339,13 +341,27 @@ def render_sbatch(plan: LaunchPlan, ctx: RenderContext) -> str:
         f"srun --overlap --nodes={la.trainer_nodes} --ntasks-per-node=1 "
         f'--nodelist="$TRAINER_NODELIST" '
         f'--output="$LOG_DIR/trainer_%N.log" bash -c {_q(inner)} "$PY" "$MASTER_ADDR" '
-        '"$MASTER_PORT" "$SERVER_URLS"' + (' "$KEY_FILE"' if keys else ""),
-        "status=$?",
+        '"$MASTER_PORT" "$SERVER_URLS"' + (' "$KEY_FILE"' if keys else "") + " &",
+        *_STOP_FORWARD,
         "set -e",
         'echo "trainer exited with status $status" >&2',
         'exit "$status"',
     ]
     return "\n".join(lines) + "\n"
+
+
+# SLURM's SIGUSR1 (--signal=B:USR1@s) reaches this shell only: it is passed to the trainer's
+# srun, which forwards the signals it gets to its tasks (srun(1), "SIGNALS"), the torchrun
+# agents, which pass it to the ranks (platform.torchrun): they save after their step and exit
+# 0 (training.stop). Bash's wait returns when a trapped signal arrives: wait again.
+_STOP_FORWARD = [
+    "TRAINER_PID=$!",
+    'trap \'echo "SIGUSR1: asking the trainer to save and stop" >&2; '
+    'kill -USR1 "$TRAINER_PID" 2>/dev/null\' USR1',
+    'wait "$TRAINER_PID"',
+    "status=$?",
+    'while kill -0 "$TRAINER_PID" 2>/dev/null; do wait "$TRAINER_PID"; status=$?; done',
+]
 
 
 def render_mpirun(plan: LaunchPlan, ctx: RenderContext) -> str:

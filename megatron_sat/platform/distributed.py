@@ -16,6 +16,7 @@ import torch
 from megatron_sat.config.parallel import ParallelConfig
 from megatron_sat.platform.device import apply_cpu_shims, default_backend
 from megatron_sat.platform.fusions import announce_fusions, device_fusions
+from megatron_sat.platform.stores import bound_tcp_store
 
 
 def free_port() -> int:
@@ -60,18 +61,7 @@ def init_distributed(
     if not torch.distributed.is_initialized():
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        if "RANK" in os.environ:  # torchrun, srun or mpirun (launch code maps their variables)
-            torch.distributed.init_process_group(backend=default_backend(), timeout=timeout)
-        else:
-            # A 1-process world without touching os.environ: child processes (servers,
-            # launchers) must not inherit a fake torchrun rank.
-            torch.distributed.init_process_group(
-                backend=default_backend(),
-                init_method=f"tcp://127.0.0.1:{free_port()}",
-                rank=0,
-                world_size=1,
-                timeout=timeout,
-            )
+        _init_world(timeout)
     announce_fusions(fusions, rank=torch.distributed.get_rank())
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
@@ -108,6 +98,39 @@ def init_distributed(
         distributed_timeout_minutes=math.ceil(timeout_minutes) if timeout_minutes else 30,
     )
     model_parallel_cuda_manual_seed(seed)
+
+
+def _init_world(timeout: datetime.timedelta | None) -> None:
+    """The default process group, its TCPStore listening only at the launch plan's address
+    (``platform.stores``).
+
+    - torchrun (``TORCHELASTIC_USE_AGENT_STORE=True``): the agent hosts the store (bound by
+      ``platform.torchrun``); the ranks are its clients through torch's ``env://``.
+    - ``RANK`` and ``MASTER_ADDR`` without the agent (srun, mpirun: launch code maps their
+      variables): rank 0 hosts the store at ``MASTER_ADDR:MASTER_PORT``, the others connect.
+    - neither: a 1-process world on a loopback store, without touching os.environ (child
+      processes, servers and launchers, must not inherit a fake rank).
+    """
+    backend = default_backend()
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        torch.distributed.init_process_group(backend=backend, timeout=timeout)
+        return
+    store_timeout = timeout or datetime.timedelta(minutes=30)
+    if "RANK" in os.environ:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        if rank == 0:
+            store = bound_tcp_store(host, port, world, store_timeout, wait_for_workers=False)
+        else:
+            store = torch.distributed.TCPStore(
+                host, port, world, is_master=False, timeout=store_timeout
+            )
+    else:
+        rank, world = 0, 1
+        store = bound_tcp_store("127.0.0.1", 0, 1, store_timeout)
+    torch.distributed.init_process_group(
+        backend=backend, store=store, rank=rank, world_size=world, timeout=timeout
+    )
 
 
 def destroy_distributed() -> None:

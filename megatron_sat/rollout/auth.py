@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hmac
 import os
+import secrets
 import stat
 from dataclasses import dataclass
 from enum import Enum
@@ -157,10 +158,20 @@ class ServerKeys:
         return {"Authorization": f"Bearer {key}"} if key else {}
 
 
+def generate_server_keys() -> ServerKeys:
+    """Fresh API and admin API keys (``sk-`` + 32 random bytes, URL-safe: as the rendered
+    multi-node scripts make them), for embedded servers the trainer starts itself."""
+    return ServerKeys(
+        api_key="sk-" + secrets.token_urlsafe(32),
+        admin_api_key="sk-" + secrets.token_urlsafe(32),
+    )
+
+
 def load_server_keys(path: str | os.PathLike) -> ServerKeys:
     """Read a key file: YAML with ``api-key`` and/or ``admin-api-key`` (the file SGLang's
     ``--config`` reads, which needs the flags' spelling; ``api_key`` is accepted here too),
-    readable by its owner only.
+    readable by its owner only. The one rule for key files: the trainer
+    (``rollout.server_key_file``) and the embedded server (``--config``) both read them here.
 
     Raises:
         ValueError: naming the file when group or others may read it, when it has other keys,

@@ -34,6 +34,7 @@ from megatron_sat.rollout.engine import (
     prompt_batch,
     request_with_retries,
 )
+from megatron_sat.rollout.protocol import ReplyGuard, ReplyRefused, generate_reply_cap
 from megatron_sat.rollout.sampling import (
     SAMPLING_EPS,
     GenerateOutput,
@@ -80,6 +81,9 @@ class SGLangClient(HTTPClient):
             None for a server started without keys.
     """
 
+    # A reply refused by the protocol checks (rollout.protocol) is retried like these.
+    retry_on = (*RETRY_TRANSPORT_ERRORS, ReplyRefused)
+
     def __init__(
         self,
         base_url: str,
@@ -98,6 +102,8 @@ class SGLangClient(HTTPClient):
             paused_timeout_s=paused_timeout_s,
         )
         self.keys = keys or ServerKeys()
+        self.guard = ReplyGuard(self.base_url)  # size, JSON, log-probs, versions
+        self.guard.install(self._http)
 
     # ---- generation -------------------------------------------------------------------------
 
@@ -138,18 +144,23 @@ class SGLangClient(HTTPClient):
         if routing is not None:
             body["return_routed_experts"] = True
             body["routed_experts_start_len"] = routed_experts_start_len
+        news = [p.max_new_tokens for p in per_prompt_params(sampling, len(batch))]
         # The routes stay in the body's bytes until decoded (routing.wire): no 2 KB/token str.
-        try:
-            items, payloads = split_generate_reply(
-                self._request("POST", "/generate", body, retry=True).content
+        with self.guard.expecting(generate_reply_cap([len(p) for p in batch], news, routing)):
+            items, payloads = self.guard.fetch_json(
+                lambda: self._request("POST", "/generate", body, retry=True),
+                attempts=1 + self.max_retries,
+                backoff_s=self.retry_backoff_s,
+                error=self.error,
+                parse=split_generate_reply,
             )
-        except ValueError as e:
-            raise SGLangError(f"{self.base_url}/generate: {e}") from e
         if len(items) != len(batch):
             raise SGLangError(f"{self.base_url}/generate: {len(items)} outputs for {len(batch)}")
         return [
-            self._parse_output(
-                item, payload, len(prompt), routing, routed_experts_start_len, return_logprob
+            self.guard.check_output(
+                self._parse_output(
+                    item, payload, len(prompt), routing, routed_experts_start_len, return_logprob
+                )
             )
             for item, payload, prompt in zip(items, payloads, batch, strict=True)
         ]

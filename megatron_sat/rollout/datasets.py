@@ -88,9 +88,16 @@ def _iter_rows(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
     """Yields (location, row) with location "<path>, line N" or "<path>, row N" (1-based)."""
     suffix = path.suffix.lower()
     if suffix == ".jsonl":
-        with path.open(encoding="utf-8") as f:
-            for line_number, line in enumerate(f, start=1):
+        with path.open("rb") as f:  # decoded per line, so an encoding error has its line
+            for line_number, raw in enumerate(f, start=1):
                 where = f"{path}, line {line_number}"
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise DatasetFormatError(
+                        f"{where}: not UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1}: "
+                        f"{e.reason}); jsonl files are UTF-8"
+                    ) from e
                 if not line.strip():
                     # A blank line is either a truncated write or a hand edit; both deserve a look.
                     raise DatasetFormatError(

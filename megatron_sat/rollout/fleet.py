@@ -39,6 +39,7 @@ from megatron_sat.platform.threads import child_env
 from megatron_sat.rollout.auth import ServerKeys
 from megatron_sat.rollout.client import SGLangClient
 from megatron_sat.rollout.embedded.launch import EmbeddedServer
+from megatron_sat.rollout.protocol import guard_clients
 from megatron_sat.weight_sync.broadcast import UpdateStats, WeightSyncError, WeightUpdater
 from megatron_sat.weight_sync.updater import BaseWeightUpdater
 
@@ -423,17 +424,26 @@ def sync_servers(
     pools: Sequence[ServerSlots],
     named_tensors: NamedTensors,
     version: int,
+    *,
+    max_reply_bytes: int = 0,
 ) -> PushReport:
     """One weight push with the pools kept in step: the servers the pools found dead are
     replaced or dropped, the weights pushed (:meth:`RolloutFleet.push`), and only then each
     restarted slot's new client handed to every pool, and every down slot marked dead in every
     pool (one pool may not have noticed what another, or the fleet's probe, found).
 
+    Every client's reply guard (``rollout.protocol``) learns ``version`` before the push (a
+    server may answer with it as soon as its last bucket landed) and again after it (restarted
+    servers' new clients), with the fixed reply cap ``max_reply_bytes`` (0: per request).
+
     Raises:
         WeightSyncError: as :meth:`RolloutFleet.push`.
+        TypeError: a client without a reply guard.
     """
     dead = set().union(*(pool.down_servers() for pool in pools))
+    guard_clients(fleet.clients, version, max_reply_bytes)
     report = fleet.push(named_tensors, version, dead=dead)
+    guard_clients(fleet.clients, version, max_reply_bytes)
     for pool in pools:
         for i in report.down:
             pool.mark_dead(i)

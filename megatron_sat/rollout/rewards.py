@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -230,6 +232,12 @@ class RewardWorkers:
                 self._executor = self._new_executor()
                 self.restarts += 1
                 broken.shutdown(wait=False)
+                print(
+                    f"reward workers: a worker died ({error}); replaced the pool "
+                    f"(replacement {self.restarts}), scoring its pairs again",
+                    file=sys.stderr,
+                    flush=True,
+                )
         self._submit_into(out, response, label, tries + 1)
 
     def __call__(self, response: str, label: str) -> float:
@@ -256,6 +264,10 @@ def _end_with_parent(parent_pid: int, poll_s: float = 1.0) -> None:
     from megatron_sat.platform.threads import configure_threads
 
     configure_threads(threads=1)
+    # Ctrl-C reaches the whole foreground process group and SIGUSR1 a job's processes: both
+    # ask the trainer to stop after its step (training.stop), which then ends these workers.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
     def watch() -> None:
         while os.getppid() == parent_pid:

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from megatron_sat.config import RunConfig
 from megatron_sat.platform.device import get_device, weight_sync_backend
 from megatron_sat.platform.threads import child_env
-from megatron_sat.rollout.auth import ServerKeys, load_server_keys
+from megatron_sat.rollout.auth import ServerKeys, generate_server_keys, load_server_keys
 from megatron_sat.rollout.client import SGLangClient
 from megatron_sat.rollout.embedded.launch import EmbeddedServer
 from megatron_sat.rollout.engines import ENGINES
@@ -41,18 +41,28 @@ def rollout_clients(cfg: RunConfig) -> Iterator[list[SGLangClient]]:
             stack.enter_context(
                 EmbeddedServer(
                     cfg.init_checkpoint,
-                    random_seed=cfg.train.seed + i,
-                    dtype=cfg.rollout.dtype,
-                    enable_return_routed_experts=True,
-                    max_running_requests=cfg.rollout.prompts_per_step * cfg.rollout.group_size,
+                    **embedded_server_options(cfg, i),
                     # the servers generate at once: each takes its share of the cores' threads
                     env=child_env(cfg.rollout.num_embedded_servers),
-                    client_timeout_s=cfg.rollout.request_timeout_s,
                 )
             )
             for i in range(cfg.rollout.num_embedded_servers)
         ]
         yield [server.client() for server in servers]
+
+
+def embedded_server_options(cfg: RunConfig, index: int) -> dict:
+    """``EmbeddedServer`` options of embedded server ``index``: its seed, dtype, batch, and
+    API keys generated for it (``rollout.auth.generate_server_keys``), as the multi-node
+    launch scripts give theirs: its port on 127.0.0.1 answers only the trainer."""
+    return {
+        "random_seed": cfg.train.seed + index,
+        "dtype": cfg.rollout.dtype,
+        "enable_return_routed_experts": True,
+        "max_running_requests": cfg.rollout.prompts_per_step * cfg.rollout.group_size,
+        "client_timeout_s": cfg.rollout.request_timeout_s,
+        "keys": generate_server_keys(),
+    }
 
 
 def rollout_fleet(cfg: RunConfig) -> RolloutFleet:
@@ -81,13 +91,7 @@ def rollout_fleet(cfg: RunConfig) -> RolloutFleet:
     return spec.fleet.embedded(
         cfg.init_checkpoint,
         cfg.rollout.num_embedded_servers,
-        server_options=lambda i: {
-            "random_seed": cfg.train.seed + i,
-            "dtype": cfg.rollout.dtype,
-            "enable_return_routed_experts": True,
-            "max_running_requests": cfg.rollout.prompts_per_step * cfg.rollout.group_size,
-            "client_timeout_s": cfg.rollout.request_timeout_s,
-        },
+        server_options=lambda i: embedded_server_options(cfg, i),
         updater_options=options,
     )
 

@@ -22,8 +22,9 @@ class Followers:
 
     ``tell(command, arg)`` broadcasts one command over the world group before rank 0 starts
     the collective action it names; the followers run ``follow``. Commands: ``step``, ``export``
-    (walk ``trainer.hf_tensors()`` to the end), ``save`` (arg: the step), ``done`` and
-    ``abort`` (rank 0 failed: the followers raise instead of waiting forever).
+    (walk ``trainer.hf_tensors()`` to the end), ``save`` (arg: the step and whether a stop
+    forces the save), ``done``, ``stop`` (a stop signal ended the run after a save: no HF
+    export) and ``abort`` (rank 0 failed: the followers raise instead of waiting forever).
 
     ``busy`` is true from ``tell`` of a collective action until rank 0 calls ``idle`` after
     finishing its own part: a failure on rank 0 in between leaves the followers inside that
@@ -41,7 +42,7 @@ class Followers:
     def tell(self, command: str, arg: object = None) -> None:
         if self.active:
             dist.broadcast_object_list([command, arg], src=0)
-        self.done |= command == "done"
+        self.done |= command in ("done", "stop")
         self.busy = command in ("step", "export", "save", "stage_connect", "stage_push")
 
     def idle(self) -> None:
@@ -69,8 +70,9 @@ class Followers:
             self.idle()
 
     @staticmethod
-    def follow(trainer: PolicyTrainer, cfg: RunConfig) -> None:
-        """A non-zero rank: do what rank 0 says until it says ``done``.
+    def follow(trainer: PolicyTrainer, cfg: RunConfig) -> str:
+        """A non-zero rank: do what rank 0 says until it says ``done`` or ``stop``; returns
+        which.
 
         Raises:
             RuntimeError: when rank 0 aborts.
@@ -94,12 +96,13 @@ class Followers:
                 for _ in trainer.hf_tensors():
                     pass
             elif command == "save":
-                save_if_due(cfg, trainer, arg, version=None, initial=None)
+                step, force = arg
+                save_if_due(cfg, trainer, step, version=None, initial=None, force=force)
             elif command in StageSender.COMMANDS:
                 stage.handle(command, arg)
-            elif command == "done":
+            elif command in ("done", "stop"):
                 stage.close()
-                return
+                return command
             else:
                 stage.close()
                 raise RuntimeError(f"rank 0 ended the run ({command}); see its log")

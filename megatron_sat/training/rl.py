@@ -32,6 +32,7 @@ import json
 import logging
 import os
 import random
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -56,6 +57,7 @@ from megatron_sat.rollout.datasets import PromptRecord, load_prompt_dataset
 from megatron_sat.rollout.fleet import PushReport, sync_servers
 from megatron_sat.rollout.meter import MeterSnapshot, ServerMeter, server_metrics
 from megatron_sat.rollout.pool import NoLiveServer, RolloutPool
+from megatron_sat.rollout.protocol import refusal_metrics
 from megatron_sat.rollout.rewards import RewardWorkers
 from megatron_sat.rollout.seeds import request_seed
 from megatron_sat.rollout.types import Sample, staleness
@@ -78,6 +80,7 @@ from megatron_sat.training.stage_senders import (
     uses_stage_senders,
 )
 from megatron_sat.training.step import distributed_rl_step, dp_shares, routing_diagnostic_due
+from megatron_sat.training.stop import StopRequest, resume_hint
 from megatron_sat.training.trackers import make_trackers
 from megatron_sat.training.trainer import PolicyTrainer
 
@@ -205,7 +208,18 @@ def run_rl(cfg: RunConfig) -> dict:
 
     With ``train.resume`` the run continues from its latest committed run checkpoint; when a
     crash came before the first commit there is none and the run starts from step 1 (the
-    killed run's metrics and uncommitted folders are dropped)."""
+    killed run's metrics and uncommitted folders are dropped).
+
+    SIGTERM, SIGUSR1 and SIGINT stop the run after its current step with a run checkpoint
+    (``training.stop``); it then returns ``{"stopped_after": step, "signal": name}`` on rank 0
+    (no HF export, no summary: the resumed run writes them)."""
+    stop = StopRequest()
+    with stop.installed():
+        return _run_rl(cfg, stop)
+
+
+def _run_rl(cfg: RunConfig, stop: StopRequest) -> dict:
+    """``run_rl`` with the stop handlers installed."""
     from megatron_sat.platform.lifetime import install_fork_pdeathsig
 
     install_fork_pdeathsig()  # forked helpers (checkpoint writers) die with this process
@@ -235,13 +249,15 @@ def run_rl(cfg: RunConfig) -> dict:
             f"{cfg.train.num_steps}: nothing to resume (raise train.num_steps)"
         )
     if dist.get_rank() != 0:
-        Followers.follow(trainer, cfg)
-        # Writing the checkpoint is a collective (checkpoint.hf_io.save_model_as_hf).
-        trainer.save_hf(Path(cfg.run_dir) / "checkpoint", tokenizer_dir=cfg.init_checkpoint)
+        if Followers.follow(trainer, cfg) == "done":
+            # Writing the checkpoint is a collective (checkpoint.hf_io.save_model_as_hf).
+            trainer.save_hf(Path(cfg.run_dir) / "checkpoint", tokenizer_dir=cfg.init_checkpoint)
         return {}
     followers = Followers(trainer)
     try:
-        summary = _lead(cfg, trainer, tokenizer, state, first_step, followers, fresh_after_crash)
+        summary = _lead(
+            cfg, trainer, tokenizer, state, first_step, followers, stop, fresh_after_crash
+        )
     except BaseException:
         if followers.can_abort():
             followers.tell("abort")
@@ -324,11 +340,13 @@ def _lead(
     state,
     first_step: int,
     followers: Followers,
+    stop: StopRequest,
     fresh_after_crash: bool = False,
 ) -> dict:
     """Rank 0's part of ``run_rl`` (everything but the set-up shared by all ranks), in phases:
     the run folder and prompts; the servers, pools and logger (``_Lead``); the initial push
-    and evaluation; the steps (``_Lead.run_steps``); the HF export and the summary."""
+    and evaluation; the steps (``_Lead.run_steps``); the HF export and the summary, or, after
+    a stop signal (``training.stop``), the line saying how to resume."""
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
@@ -343,12 +361,17 @@ def _lead(
         RewardWorkers() as rewards,  # scored concurrently, math-verify's timeouts on
     ):
         lead = _Lead(cfg, trainer, tokenizer, followers, fleet, logger, rewards, eval_records)
+        lead.stop = stop
         lead.initial_sync(state)
         lead.build_schedule(prompts, first_step, state)
         initial = lead.initial_eval(state)
         metrics = lead.run_steps(first_step, initial)
         final = {k: v for k, v in metrics.items() if k.startswith("eval/")}
         lead.close()
+        if lead.stopped_after is not None:  # saved; the servers stop as the block ends
+            followers.tell("stop")
+            print(resume_hint(run_dir, lead.stopped_after, stop.signal_name), file=sys.stderr)
+            return {"stopped_after": lead.stopped_after, "signal": stop.signal_name}
         followers.tell("done")
         checkpoint = trainer.save_hf(run_dir / "checkpoint", tokenizer_dir=cfg.init_checkpoint)
         summary = make_summary(cfg, initial, final, run_dir, checkpoint, time.time() - t_start)
@@ -392,6 +415,7 @@ class _Lead:
     ) -> None:
         self.cfg, self.trainer, self.followers = cfg, trainer, followers
         self.fleet, self.logger, self.eval_records = fleet, logger, eval_records
+        self.rewards = rewards
         num_layers, top_k, num_experts = trainer.routing_shape
         # One meter for both pools: a server is busy while either has a request on it.
         self.meter = ServerMeter(len(fleet.clients))
@@ -423,6 +447,8 @@ class _Lead:
         self.initial: dict[str, float] = {}  # step 0's evaluation (initial_eval)
         self.snapshot: MeterSnapshot | None = None  # the meter at the last log (run_steps)
         self.schedule: Schedule | None = None  # build_schedule
+        self.stop = StopRequest()  # the run's, set by _lead; read once per step
+        self.stopped_after: int | None = None  # the step a stop signal saved and ended
 
     def initial_sync(self, state) -> None:
         """Start from identical weights on both sides, tagged with the trainer's version."""
@@ -430,7 +456,13 @@ class _Lead:
         # The cumulative counters logged at the checkpoint resumed from: this process counts on.
         self.counted = {} if state is None else state.extra.get("counters", {})
         try:  # through sync_servers like every push: a server restarted here reaches the pool
-            sync_servers(self.fleet, self.pools, self.tensors, self.version)
+            sync_servers(
+                self.fleet,
+                self.pools,
+                self.tensors,
+                self.version,
+                max_reply_bytes=self.cfg.rollout.max_reply_bytes,
+            )
         finally:
             self.followers.finish_export()
 
@@ -451,7 +483,13 @@ class _Lead:
     def push(self) -> PushReport:
         """The trainer's weights as ``version`` to every server, dead ones replaced."""
         try:
-            report = sync_servers(self.fleet, self.pools, self.tensors, self.version)
+            report = sync_servers(
+                self.fleet,
+                self.pools,
+                self.tensors,
+                self.version,
+                max_reply_bytes=self.cfg.rollout.max_reply_bytes,
+            )
         finally:
             self.followers.finish_export()
         self.restart_s += report.restart_s
@@ -507,8 +545,14 @@ class _Lead:
         self.schedule.start()
         self.snapshot = self.meter.snapshot()
         last_acc = initial["eval/acc_greedy"]  # the bar shows the latest held-out accuracy
+        metrics: dict[str, float] = {}
         for step in progress:
+            if step == first_step and self.stop.requested:  # nothing trained here yet
+                self.stopped_after = step - 1
+                break
             metrics = self.step(step)
+            if self.stopped_after is not None:
+                break
             last_acc = metrics.get("eval/acc_greedy", last_acc)
             progress.set_postfix(reward=f"{metrics['rollout/reward']:.3f}", acc=f"{last_acc:.3f}")
         return metrics
@@ -523,8 +567,10 @@ class _Lead:
         t_gen = time.time() - t0
         metrics = self.train(step, samples)
         eval_due = step % cfg.train.eval_every == 0 or step == cfg.train.num_steps
+        # A stop signal read here is honoured by this step (saved); a later one, by the next.
+        stopping = self.stop.requested and step < cfg.train.num_steps
         after = self.schedule.after_step(
-            step, self.version, eval_due=eval_due, save_due=due(cfg, step)
+            step, self.version, eval_due=eval_due, save_due=due(cfg, step) or stopping
         )
         metrics.update(
             {
@@ -537,11 +583,12 @@ class _Lead:
         if eval_due:
             metrics.update(self.evaluate(step) if after.evaluated is None else after.evaluated)
         counters = self.log(step, metrics)
-        self.followers.tell("save", step)
+        self.followers.tell("save", (step, stopping))
         save_if_due(
             cfg,
             self.trainer,
             step,
+            force=stopping,
             version=self.version,
             initial=self.initial,
             prompts=self.schedule.data_position(step, after.pool_state),
@@ -549,6 +596,8 @@ class _Lead:
             counters=counters,
         )
         self.followers.idle()
+        if stopping:
+            self.stopped_after = step
         return metrics
 
     def train(self, step: int, samples: list[Sample]) -> dict[str, float]:
@@ -573,11 +622,13 @@ class _Lead:
         # Per server index, since the previous step's log (evaluation included).
         now = self.meter.snapshot()
         metrics.update(server_metrics(self.snapshot, now))
+        metrics.update(refusal_metrics(self.fleet.clients))  # rollout.protocol's, cumulative
         self.snapshot = now
         counters = {
             "rollout/reissued": float(sum(p.stats.reissued for p in self.pools)),
             "rollout/server_restarts": float(sum(self.fleet.restarts)),
             "rollout/filtered_groups": float(self.schedule.filtered_groups),
+            "rollout/reward_worker_restarts": float(self.rewards.restarts),
         }
         counters = {k: self.counted.get(k, 0.0) + v for k, v in counters.items()}
         metrics.update(counters)

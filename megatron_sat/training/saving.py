@@ -22,12 +22,14 @@ def save_if_due(
     prompts: int | None = None,
     rollout_state: dict | None = None,
     counters: dict[str, float] | None = None,
+    force: bool = False,
 ) -> None:
     """Run checkpoint after ``step`` every ``train.save_every`` steps and after the last one
     (collective: every rank calls it; rank 0's version and data position, ``prompts``
     consumed from the prompt stream by the batches trained on so far, are written, with the
-    cumulative ``counters`` logged at ``step``, which a resumed run counts on from)."""
-    if not due(cfg, step):
+    cumulative ``counters`` logged at ``step``, which a resumed run counts on from). ``force``
+    saves whatever ``train.save_every`` says (a stop signal: ``training.stop``)."""
+    if not (force or due(cfg, step)):
         return
     save_run_checkpoint(
         cfg.run_dir,

@@ -26,28 +26,26 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
+from megatron_sat.platform.stores import bound_tcp_store
+
 _BACKENDS = ("gloo", "nccl")
 
 
 def host_store(
     master_address: str, master_port: int, world_size: int, timeout_s: float
 ) -> dist.TCPStore:
-    """Start the group's TCPStore on the trainer (rank 0) without waiting for clients.
+    """Start the group's TCPStore on the trainer (rank 0) without waiting for clients,
+    listening on ``master_address`` only (``platform.stores``: torch's own binds every
+    interface).
 
     Args:
+        master_address: the trainer's address as the servers see it (127.0.0.1 on one node).
         master_port: TCP port to listen on; 0 lets the OS choose (read it back from ``.port``).
 
     Raises:
-        RuntimeError: from torch if the address/port cannot be bound.
+        OSError: naming the address when it cannot be resolved or bound.
     """
-    return dist.TCPStore(
-        master_address,
-        master_port,
-        world_size,
-        is_master=True,
-        timeout=timedelta(seconds=timeout_s),
-        wait_for_workers=False,
-    )
+    return bound_tcp_store(master_address, master_port, world_size, timedelta(seconds=timeout_s))
 
 
 @dataclass

@@ -94,7 +94,6 @@ from typing import Any
 
 import torch
 import uvicorn
-import yaml
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
@@ -103,6 +102,7 @@ from megatron_sat.rollout.auth import (
     AuthLevel,
     auth_error_body,
     decide_request_auth,
+    load_server_keys,
 )
 from megatron_sat.rollout.client import PAUSE_MODES, SamplingParams
 from megatron_sat.rollout.embedded.engine import EngineOutput, EngineRequest, GenerationEngine
@@ -873,17 +873,11 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
     p.add_argument("--admin-api-key", default=None)
     p.add_argument("--config", default=None, help="YAML with api-key / admin-api-key")
     a = p.parse_args(argv)
-    if a.config is not None:
-        with open(a.config) as f:
-            extra = yaml.safe_load(f) or {}
-        # SGLang reads a --config key as the flag of that spelling (api-key); dest spelling too
-        extra = {str(k).replace("-", "_"): v for k, v in extra.items()}
-        unknown = set(extra) - {"api_key", "admin_api_key"}
-        if unknown:
-            raise ValueError(f"--config {a.config}: unsupported keys {sorted(unknown)}")
-        for key, value in extra.items():
+    if a.config is not None:  # the trainer's rule for key files (mode 0600, key names)
+        keys = load_server_keys(a.config)
+        for key in ("api_key", "admin_api_key"):
             if getattr(a, key) is None:  # a flag given on the command line wins
-                setattr(a, key, str(value))
+                setattr(a, key, getattr(keys, key))
     seed = a.random_seed if a.random_seed is not None else secrets.randbelow(2**31)
     return ServerConfig(
         model_path=a.model_path,

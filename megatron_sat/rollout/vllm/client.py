@@ -47,6 +47,7 @@ from megatron_sat.rollout.engine import (
     per_prompt_params,
     prompt_batch,
 )
+from megatron_sat.rollout.protocol import ReplyGuard, generate_reply_cap
 from megatron_sat.rollout.sampling import GenerateOutput, RoutingSpec, SamplingParams
 from megatron_sat.rollout.weight_versions import spans_to_versions
 from megatron_sat.weight_sync.channel import PAUSE_MODES
@@ -105,6 +106,7 @@ class VLLMClient(HTTPClient):
     request_error = VLLMRequestError
     # vLLM closes a kept-alive connection after a route raised (HTTP 500), so the next call on
     # it reads a reset: a fresh connection is the retry.
+    # (rollout.protocol's ReplyRefused, a RemoteProtocolError, is retried the same way.)
     retry_on = (*RETRY_TRANSPORT_ERRORS, httpx.ReadError, httpx.RemoteProtocolError)
 
     def __init__(
@@ -130,6 +132,8 @@ class VLLMClient(HTTPClient):
             limits=httpx.Limits(max_connections=max_concurrency + 4),
         )
         self._pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="vllm_client")
+        self.guard = ReplyGuard(self.base_url)  # size, JSON, log-probs, versions
+        self.guard.install(self._http)
 
     def close(self) -> None:
         """Close the connection pool and the request threads."""
@@ -228,7 +232,8 @@ class VLLMClient(HTTPClient):
         body = {"token_ids": prompt, "sampling_params": params, "output_mode": "tokens"}
         where = f"{self.base_url}/inference/v1/generate"
         try:
-            reply = self._request("POST", "/inference/v1/generate", body, retry=True).json()
+            cap = generate_reply_cap([len(prompt)], [sampling.max_new_tokens], routing)
+            reply = self._guarded_json("/inference/v1/generate", body, cap)
         except VLLMRequestError as e:
             raise VLLMRequestError(f"prompt {index}: {e}", e.status_code) from e
         try:
@@ -282,7 +287,7 @@ class VLLMClient(HTTPClient):
         version = spans[-1]["version"] if spans else self.get_weight_version()
         usage = reply.get("usage") or {}
         meta = {"weight_versions": spans, "finish_reason": finish}
-        return GenerateOutput(
+        out = GenerateOutput(
             output_ids=output_ids,
             output_token_logprobs=logprobs,
             finish_reason="abort"
@@ -295,6 +300,18 @@ class VLLMClient(HTTPClient):
             meta_info=meta,
             output_token_versions=_span_versions(spans, len(output_ids), where),
         )
+        return self.guard.check_output(out, "/inference/v1/generate")
+
+    def _guarded_json(self, endpoint: str, body: Any, cap: int) -> Any:
+        """POST ``endpoint``'s JSON reply, capped at ``cap`` bytes and retried while malformed
+        (``rollout.protocol``)."""
+        with self.guard.expecting(cap):
+            return self.guard.fetch_json(
+                lambda: self._request("POST", endpoint, body, retry=True),
+                attempts=1 + self.max_retries,
+                backoff_s=self.retry_backoff_s,
+                error=self.error,
+            )
 
     # ---- status -----------------------------------------------------------------------------
 
