@@ -105,3 +105,23 @@ def test_reference_on_device_is_counted():
     assert host.components["reference policy"] == 0
     assert device.components["reference policy"] == host.components["parameters"] > 0
     assert device.total - host.total == host.components["parameters"]
+
+
+def test_prompts_longer_than_the_plan_assumes_are_refused_at_load():
+    """The plan sizes micro-batches and the pool for prompts up to ``launch.max_prompt_tokens``:
+    a longer prompt is refused when the dataset loads, naming the file, the row and the field
+    (it would otherwise run the GPU out of memory mid-run; a breaker's find)."""
+    from megatron_sat.rollout.datasets import PromptRecord
+    from megatron_sat.training.rl import check_prompt_lengths
+
+    class Chars:  # one token per character
+        @staticmethod
+        def encode(text):
+            return list(text)
+
+    rows = [PromptRecord("x" * 8, "1", 0), PromptRecord("x" * 9, "1", 1)]
+    check_prompt_lengths(rows[:1], Chars, 100, 4, "train.jsonl", max_prompt_tokens=8)
+    with pytest.raises(ValueError, match=r"train.jsonl row 1: 9 prompt tokens exceed launch\."):
+        check_prompt_lengths(rows, Chars, 100, 4, "train.jsonl", max_prompt_tokens=8)
+    with pytest.raises(ValueError, match=r"row 0: 8 prompt tokens \+ rollout.max_new_tokens=4"):
+        check_prompt_lengths(rows[:1], Chars, 11, 4, "train.jsonl", max_prompt_tokens=8)

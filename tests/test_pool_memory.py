@@ -53,13 +53,14 @@ def test_bad_inputs_are_named():
 
 
 def test_launch_plan_reports_and_bounds_the_pool():
-    """The recipe (sync, 256 x 16, max_new_tokens 8192) holds one batch: 4096 x 8192 x 464 B =
-    14.5 GiB; its lag-8 asynchronous variant at 8.4k tokens per sample 133.8 GiB, which a
-    100 GiB limit refuses."""
+    """The recipe (sync, 256 x 16, prompts up to 512 and responses up to 8192 tokens) holds one
+    batch: 4096 x 8704 x 464 B = 15.4 GiB (prompts count: their routes and ids are held too);
+    its lag-8 asynchronous variant at 8.4k tokens per sample 133.8 GiB, which a 100 GiB limit
+    refuses."""
     text = format_plan(resolve_plan(load_config(RECIPE)))
     line = next(x for x in text.splitlines() if x.startswith("rollout pool host memory"))
-    assert "up to 1 batch(es) x 4096 samples x 8,192 tokens" in line
-    assert round(4096 * 8192 * 464 / 2**30, 1) == 14.5 and "= 14.5 GiB (routes 12.0 GiB)" in line
+    assert "up to 1 batch(es) x 4096 samples x 8,704 tokens" in line
+    assert round(4096 * 8704 * 464 / 2**30, 1) == 15.4 and "= 15.4 GiB (routes 12.8 GiB)" in line
     lag8 = ["rollout.mode=fixed_lag", "rollout.lag=8", "rollout.pool_tokens_per_sample=8400"]
     text = format_plan(resolve_plan(load_config(RECIPE, lag8)))
     assert "up to 9 batch(es) x 4096 samples x 8,400 tokens" in text

@@ -52,6 +52,16 @@ def test_each_missing_flag_is_named(change, deterministic, routed, message):
     assert message in error
 
 
+def test_a_server_tp_other_than_the_groups_is_refused():
+    """The weight-update group has one rank per server TP rank (``launch.rollout_server_tp``):
+    a server started with another --tp-size would hang the rendezvous (a breaker's find)."""
+    (error,) = server_flag_errors(GOOD, deterministic=False, routed_experts=False, tp_size=8)
+    assert error.startswith("--tp-size 4, but launch.rollout_server_tp=8")
+    assert server_flag_errors(GOOD, deterministic=False, routed_experts=False, tp_size=4) == []
+    nulls = {**GOOD, "dp_size": None, "pp_size": None, "tp_size": None}  # null: SGLang's 1
+    assert server_flag_errors(nulls, deterministic=False, routed_experts=False, tp_size=1) == []
+
+
 def test_without_the_clock_a_server_without_deterministic_inference_is_fine():
     info = {**GOOD, "enable_deterministic_inference": False}
     assert server_flag_errors(info, deterministic=False, routed_experts=True) == []
@@ -79,6 +89,7 @@ def test_a_clock_run_refuses_a_url_server_without_deterministic_inference():
             "rollout.server_urls=[http://a:1,http://b:2]",
             "rollout.mode=bounded",
             "rollout.clock_tokens=4",
+            "launch.rollout_server_tp=4",
         ],
     )
     clients = [
@@ -88,6 +99,8 @@ def test_a_clock_run_refuses_a_url_server_without_deterministic_inference():
     with pytest.raises(ValueError, match=r"(?s)unfit for this run.*http://b:2: started without"):
         check_sglang_servers(clients, cfg)
     check_sglang_servers(clients[:1], cfg)
+    with pytest.raises(ValueError, match=r"http://a:1: --tp-size 4, but launch.rollout_server_tp"):
+        check_sglang_servers(clients[:1], load_config(None, ["rollout.server_urls=[http://a:1]"]))
 
 
 def test_the_embedded_server_reports_sglang_fields(tiny_checkpoint):

@@ -94,3 +94,32 @@ def test_spans_that_do_not_cover_the_output_are_an_error_naming_the_server():
     )
     with pytest.raises(SGLangError, match=r"sglang.test/generate: weight_versions .* 2 of 3"):
         client.generate([1], SamplingParams(max_new_tokens=3))
+
+
+@pytest.mark.parametrize(
+    ("spans", "message"),
+    [
+        # a huge end is refused before anything is expanded (it cost 480 MB at 3e7 before)
+        ([{"version": "1", "start": 0, "end": 10**10}], "reaches past the 5 tokens"),
+        ([{"version": "1", "start": 0, "end": 2.7}], "bounds must be integers"),
+        ([{"version": "1", "start": 0, "end": True}], "bounds must be integers"),
+        (
+            [{"version": "1", "start": 0, "end": 2}, {"version": "0", "start": 2, "end": 5}],
+            "run backwards",
+        ),
+        ([{"version": "1", "start": 1, "end": 5}], "not contiguous"),
+    ],
+)
+def test_malformed_spans_are_refused(spans, message):
+    from megatron_sat.rollout.weight_versions import spans_to_versions
+
+    with pytest.raises(ValueError, match=message):
+        spans_to_versions(spans, 5)
+
+
+def test_spans_across_a_push_and_sglangs_empty_span():
+    from megatron_sat.rollout.weight_versions import spans_to_versions
+
+    spans = [{"version": "1", "start": 0, "end": 2}, {"version": "2", "start": 2, "end": 5}]
+    assert spans_to_versions(spans, 5) == ["1", "1", "2", "2", "2"]
+    assert spans_to_versions([{"version": "3", "start": 0, "end": 0}], 0) == []

@@ -242,6 +242,10 @@ class LaunchConfig:
             _is_int(port) and 1024 <= port <= 65535, "rollout_base_port", "a port in [1024, 65535]"
         )
         check(self.gpu_memory_gib > 0, "gpu_memory_gib", "> 0")
+        for env in ("sglang_env", "vllm_env"):
+            value = getattr(self, env)
+            ok = value is None or (isinstance(value, str) and value.strip() != "")
+            check(ok, env, "null or a path (a virtual environment directory)")
         mp = self.max_prompt_tokens
         check(_is_int(mp) and mp >= 1, "max_prompt_tokens", "an int >= 1")
         check(self.reserved_memory_gib >= 0, "reserved_memory_gib", ">= 0")

@@ -116,8 +116,8 @@ class RolloutConfig:
             rank 0's host memory, compact routes; ``megatron_sat.rollout.pool_memory``). The
             launch plan prints its size at the fullest (1 batch in sync mode, lag + 1 otherwise).
         pool_tokens_per_sample: prompt + response tokens of a mean sample, for the launch
-            plan's pool memory (the paper's recipe: about 8.4k); null: ``max_new_tokens`` (the
-            responses' limit, prompts not counted).
+            plan's pool memory (the paper's recipe: about 8.4k); null: the longest sample,
+            ``launch.max_prompt_tokens + max_new_tokens``.
         pool_host_memory_gib: refuse a launch whose pool needs more host memory than this on
             rank 0, GiB; null: printed, not checked.
         max_reply_bytes: cap of every reply of a rollout server, bytes; a larger one is

@@ -330,7 +330,10 @@ def _groups_and_ranks(
 def _pool_memory(cfg: Any, hf_config: dict[str, Any]) -> tuple[PoolMemory, str]:
     """The rollout pool's host memory and its report line (``rollout.pool_memory``)."""
     return rollout_pool_memory(
-        cfg.rollout, hf_config, with_routes=cfg.rollout.return_routed_experts
+        cfg.rollout,
+        hf_config,
+        with_routes=cfg.rollout.return_routed_experts,
+        max_prompt_tokens=cfg.launch.max_prompt_tokens,
     )
 
 

@@ -124,9 +124,14 @@ def pool_memory(
     )
 
 
-def rollout_pool_memory(rollout, hf_config: dict, *, with_routes: bool) -> tuple[PoolMemory, str]:
+def rollout_pool_memory(
+    rollout, hf_config: dict, *, with_routes: bool, max_prompt_tokens: int
+) -> tuple[PoolMemory, str]:
     """:func:`pool_memory` of a run's ``rollout`` section (``config.RolloutConfig``) and its
-    model's ``config.json``, and its line for the launch plan's report.
+    model's ``config.json``, and its line for the launch plan's report. Without
+    ``rollout.pool_tokens_per_sample`` a sample is sized at its longest,
+    ``max_prompt_tokens`` (``launch.max_prompt_tokens``) + ``rollout.max_new_tokens``: the
+    routes and ids cover the prompt too.
 
     Raises:
         ValueError: as :func:`pool_memory`, or a config.json without ``num_hidden_layers``,
@@ -135,7 +140,8 @@ def rollout_pool_memory(rollout, hf_config: dict, *, with_routes: bool) -> tuple
     tokens = rollout.pool_tokens_per_sample
     note = "rollout.pool_tokens_per_sample"
     if tokens is None:
-        tokens, note = rollout.max_new_tokens, "rollout.max_new_tokens, prompts not counted"
+        tokens = max_prompt_tokens + rollout.max_new_tokens
+        note = "launch.max_prompt_tokens + rollout.max_new_tokens, the longest sample"
     shape = None
     if with_routes:
         experts = next(

@@ -30,15 +30,28 @@ def spans_to_versions(spans: Sequence[dict[str, Any]], num_tokens: int) -> list[
         ``num_tokens`` version strings.
 
     Raises:
-        ValueError: when the spans are not contiguous from 0, run backwards, or do not cover
-            ``num_tokens``; KeyError / TypeError for a span that is not such a dict.
+        ValueError: when a bound is not an int, the spans are not contiguous from 0, reach
+            past ``num_tokens`` (checked before anything is expanded: a malformed reply cannot
+            make rank 0 allocate its ``end``), do not cover ``num_tokens``, or their integer
+            versions decrease (weights only move forward); KeyError / TypeError for a span that
+            is not such a dict.
     """
     versions: list[str] = []
+    last: int | None = None
     for span in spans:
-        start, end = int(span["start"]), int(span["end"])
+        start, end = span["start"], span["end"]
+        if not all(isinstance(b, int) and not isinstance(b, bool) for b in (start, end)):
+            raise ValueError(f"weight_versions span bounds must be integers: {span}")
         if start != len(versions) or end < start:
             raise ValueError(f"weight_versions spans are not contiguous: {span}")
-        versions += [str(span["version"])] * (end - start)
+        if end > num_tokens:
+            raise ValueError(f"weight_versions span {span} reaches past the {num_tokens} tokens")
+        version = str(span["version"])
+        number = int(version) if version.lstrip("-").isdigit() else None
+        if number is not None and last is not None and number < last:
+            raise ValueError(f"weight_versions run backwards: {span} after version {last}")
+        last = number if number is not None else last
+        versions += [version] * (end - start)
     if len(versions) != num_tokens:
         raise ValueError(f"spans cover {len(versions)} of {num_tokens} tokens")
     return versions

@@ -109,6 +109,7 @@ def check_sglang_servers(clients: list[SGLangClient], cfg: RunConfig) -> None:
             client.get_server_info(),
             deterministic=cfg.rollout.clock_tokens > 0,
             routed_experts=cfg.rollout.return_routed_experts,
+            tp_size=cfg.launch.rollout_server_tp,
         )
         problems += [f"  {client.base_url}: {error}" for error in errors]
     if problems:

@@ -145,21 +145,33 @@ def batch_metrics(samples: list[Sample], trainer_version: int) -> dict[str, floa
 
 
 def check_prompt_lengths(
-    records: list[PromptRecord], tokenizer, context: int | None, max_new_tokens: int, path
+    records: list[PromptRecord],
+    tokenizer,
+    context: int | None,
+    max_new_tokens: int,
+    path,
+    max_prompt_tokens: int | None = None,
 ) -> None:
     """Refuse a dataset with a row whose prompt tokens plus ``max_new_tokens`` exceed the
-    model's context (``max_position_embeddings``), at load time rather than when the row is
-    generated (the server refuses it then, possibly mid-run).
+    model's context (``max_position_embeddings``), or whose prompt is longer than
+    ``max_prompt_tokens`` (``launch.max_prompt_tokens``, what the launch plan sized the
+    micro-batches and the rollout pool for), at load time rather than when the row is
+    generated (the server refuses it then, or the GPU runs out of memory, possibly mid-run).
 
     Raises:
         ValueError: naming the file, the row (0-based, as ``PromptRecord.source_index``) and
-            ``rollout.max_new_tokens``.
+            the field (``rollout.max_new_tokens`` or ``launch.max_prompt_tokens``).
     """
-    if context is None:
-        return
     for record in records:
         n = len(tokenizer.encode(record.prompt))
-        if n + max_new_tokens > context:
+        if max_prompt_tokens is not None and n > max_prompt_tokens:
+            raise ValueError(
+                f"{path} row {record.source_index}: {n} prompt tokens exceed "
+                f"launch.max_prompt_tokens={max_prompt_tokens}, for which the launch plan sized "
+                "the micro-batches and the rollout pool: raise it (and check the plan with "
+                "`megatron-sat launch --dry-run`) or drop the row"
+            )
+        if context is not None and n + max_new_tokens > context:
             raise ValueError(
                 f"{path} row {record.source_index}: {n} prompt tokens + rollout.max_new_tokens="
                 f"{max_new_tokens} exceed the model's context length {context} "
@@ -199,7 +211,14 @@ def validate_run(cfg: RunConfig, world: int | None = None) -> None:
     context = hf_config.get("max_position_embeddings")
     for path in (cfg.data.train_path, cfg.data.eval_path):
         records = load_prompt_dataset(path, tokenizer=tokenizer)
-        check_prompt_lengths(records, tokenizer, context, cfg.rollout.max_new_tokens, path)
+        check_prompt_lengths(
+            records,
+            tokenizer,
+            context,
+            cfg.rollout.max_new_tokens,
+            path,
+            cfg.launch.max_prompt_tokens,
+        )
 
 
 def run_rl(cfg: RunConfig) -> dict:
