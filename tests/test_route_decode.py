@@ -374,3 +374,33 @@ def test_client_names_the_server_for_a_malformed_body():
         SGLangError, match=r"http://sglang.test/generate: reply is not JSON \(reply body is not"
     ):
         client(b"{").generate([1] * 7, SamplingParams(max_new_tokens=5))
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"output_ids": [3.9, True]}, "output_ids must be a list of integers"),
+        ({"output_ids": "ab"}, "output_ids must be a list of integers"),
+        ({"logprobs": [[None, 5]]}, r"output_token_logprobs\[0\] = \[None, 5\] is not"),
+        ({"logprobs": [[-0.1, True]]}, r"output_token_logprobs\[0\] is for token True"),
+    ],
+)
+def test_malformed_outputs_are_named_not_coerced(change, message):
+    """A breaker's finds: float or bool token ids were rounded into ids, and a null log-prob
+    raised a bare TypeError naming no server."""
+    from megatron_sat.rollout.client import SGLangError
+    from megatron_sat.rollout.sampling import SamplingParams
+
+    ids = change.get("output_ids", [5])
+    entries = change.get("logprobs", [[-0.1, 5]])
+    reply = {
+        "output_ids": ids,
+        "meta_info": {
+            "finish_reason": {"type": "length", "length": 1},
+            "weight_version": "0",
+            "output_token_logprobs": entries,
+        },
+    }
+    client = _mock_client([orjson.dumps(reply)])
+    with pytest.raises(SGLangError, match=rf"http://sglang.test/generate: {message}"):
+        client.generate([1], SamplingParams(max_new_tokens=1))

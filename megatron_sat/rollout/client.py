@@ -63,6 +63,16 @@ __all__ = [
 ]
 
 
+def _token_ids(values: Any, where: str) -> list[int]:
+    """``output_ids`` as ints; anything else (floats, bools, strings) is a malformed reply,
+    never rounded into a token id."""
+    if not isinstance(values, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) for t in values
+    ):
+        raise SGLangError(f"{where}: output_ids must be a list of integers: {values!r:.120}")
+    return values
+
+
 class SGLangClient(HTTPClient):
     """Blocking, thread-safe client of one server (``rollout.engine.RolloutClient``).
 
@@ -177,7 +187,7 @@ class SGLangClient(HTTPClient):
         where = f"{self.base_url}/generate"
         try:
             meta = item["meta_info"]
-            output_ids = [int(t) for t in item["output_ids"]]
+            output_ids = _token_ids(item["output_ids"], where)
             finish = meta["finish_reason"]
             weight_version = str(meta["weight_version"])
         except (KeyError, TypeError) as e:
@@ -194,12 +204,19 @@ class SGLangClient(HTTPClient):
                     f"{len(output_ids)} output tokens"
                 )
             for pos, (entry, token) in enumerate(zip(entries, output_ids, strict=True)):
-                if int(entry[1]) != token:
+                try:
+                    logprob, entry_token = float(entry[0]), entry[1]
+                except (TypeError, ValueError, IndexError, KeyError) as e:
                     raise SGLangError(
-                        f"{where}: output_token_logprobs[{pos}] is for token {entry[1]}, "
+                        f"{where}: output_token_logprobs[{pos}] = {entry!r:.80} is not "
+                        f"[logprob, token_id, ...] ({e})"
+                    ) from e
+                if entry_token != token or isinstance(entry_token, bool):
+                    raise SGLangError(
+                        f"{where}: output_token_logprobs[{pos}] is for token {entry_token!r}, "
                         f"output_ids[{pos}] is {token}"
                     )
-                logprobs.append(float(entry[0]))
+                logprobs.append(logprob)
         routed = None
         # A request aborted before it ran has no routing; the caller retries it anyway.
         if routing is not None and not (payload is None and finish["type"] == "abort"):
