@@ -85,6 +85,14 @@ class RolloutConfig:
         group_size: G samples per prompt (GRPO group).
         max_new_tokens: generation limit per sample, tokens.
         temperature, top_p, top_k: sampling (SGLang's semantics; top_k=-1 is off).
+        replay_sampling_mask: the trainer scores each token under the distribution the engine
+            sampled it from: ``softmax(logits / temperature)`` truncated by ``top_k`` /
+            ``top_p`` with SGLang's rule, recomputed from the trainer's own (TP-sharded)
+            logits, plus the token itself (``training.sampling_mask_tp``; every trainer
+            log-prob: trained, old, reference). Off: ``log softmax(logits)`` over the whole
+            vocabulary. Needs a truncation (``top_p < 1`` or ``top_k >= 1``) and SGLang
+            servers (the vLLM client refuses truncation: vLLM's processed log-probs follow
+            vLLM's own top-k/top-p rule, not checked against this one).
         update_weights_interval: synchronous mode: weights are pushed to the servers every n
             trainer steps, so samples are up to n - 1 versions old.
         weight_sync_backend: backend of the weight-push group (SGLang's
@@ -135,6 +143,7 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
+    replay_sampling_mask: bool = False
     update_weights_interval: int = 1
     weight_sync_backend: str | None = None
     mode: str = "sync"
@@ -208,6 +217,17 @@ class RolloutConfig:
             raise ValueError(f"rollout.dtype must be float32 or bfloat16, got {self.dtype!r}")
         if self.top_k != -1 and self.top_k < 1:
             raise ValueError(f"rollout.top_k must be -1 (off) or >= 1, got {self.top_k}")
+        if self.replay_sampling_mask and self.top_p >= 1 and self.top_k == -1:
+            raise ValueError(
+                "rollout.replay_sampling_mask=true with top_p=1 and top_k=-1: the engine samples "
+                "from the whole vocabulary, there is no mask to replay (set top_p < 1 or top_k)"
+            )
+        if self.replay_sampling_mask and self.engine == "vllm":
+            raise ValueError(
+                "rollout.replay_sampling_mask=true with rollout.engine=vllm: the vLLM client "
+                "refuses top_p < 1 and top_k (vLLM's processed log-probs are of its own "
+                "truncation rule, which the replay does not reproduce); use SGLang servers"
+            )
         if self.weight_sync_backend not in (None, "gloo", "nccl"):
             raise ValueError(
                 "rollout.weight_sync_backend must be 'gloo', 'nccl' or null (the platform's "

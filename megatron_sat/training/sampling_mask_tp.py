@@ -45,6 +45,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megatron_sat.config import RolloutConfig
+
 # 1.0 as float32 bits is 0x3F800000 < 2**30: 30 halvings of [0, 0x3F800000] end on one value.
 _BISECTION_STEPS = 30
 _ONE_BITS = 0x3F800000
@@ -71,6 +73,14 @@ class SamplingMask:
             raise ValueError(f"SamplingMask.top_p must be in (0, 1], got {self.top_p}")
         if self.top_k != -1 and self.top_k < 1:
             raise ValueError(f"SamplingMask.top_k must be -1 (off) or >= 1, got {self.top_k}")
+
+
+def replayed_sampling_mask(rollout: RolloutConfig) -> SamplingMask | None:
+    """The mask the trainer replays for ``rollout`` (``rollout.replay_sampling_mask``), or
+    None when it scores the full softmax."""
+    if not rollout.replay_sampling_mask:
+        return None
+    return SamplingMask(rollout.temperature, rollout.top_p, rollout.top_k)
 
 
 class _AllReduceSum(torch.autograd.Function):
@@ -193,9 +203,7 @@ def truncated_log_probs_tp(
     return (chosen - kept_mass.log()).reshape(shape)
 
 
-def _kept(
-    probs: torch.Tensor, mask: SamplingMask, group: dist.ProcessGroup | None
-) -> torch.Tensor:
+def _kept(probs: torch.Tensor, mask: SamplingMask, group: dist.ProcessGroup | None) -> torch.Tensor:
     """bool [N, V / TP]: SGLang's kept set (without the label) of each row of this shard."""
     n = probs.shape[0]
     value = torch.zeros(n, device=probs.device)  # boundary: keep everything
