@@ -6,9 +6,12 @@ gloo ranks, gradients included; ties follow ascending vocabulary order.
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 from conftest import run_torchrun
+from test_host_syncs import CountSyncs
 
 from megatron_sat.objectives.sampling_mask import kept_mask, truncated_log_probs
 from megatron_sat.training.sampling_mask_tp import SamplingMask, _kept, truncated_log_probs_tp
@@ -76,6 +79,16 @@ def test_leading_dimensions_and_bad_labels():
         truncated_log_probs_tp(logits, labels.view(6), SamplingMask(top_p=0.7))
     with pytest.raises(ValueError, match="top_p"):
         SamplingMask(top_p=0.0)
+
+
+def test_no_host_synchronisation():
+    """Nothing is read back to the host (a fixed bisection length, no data-dependent
+    branch): the step calls it inside its passes (tests/test_host_syncs.py)."""
+    logits = torch.randn(16, 100, requires_grad=True)
+    labels = torch.randint(0, 100, (16,))
+    with CountSyncs() as counter:
+        truncated_log_probs_tp(logits, labels, SamplingMask(0.8, 0.9, 7)).sum().backward()
+    assert counter.all_counts == Counter(), counter.all_counts
 
 
 def test_two_ranks_each_half_the_vocabulary():
