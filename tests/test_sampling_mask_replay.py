@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_sat.config import ParallelConfig, RolloutConfig, TrainConfig
+from megatron_sat.config import ParallelConfig, RolloutConfig, RunConfig, TrainConfig
+from megatron_sat.objectives import ObjectiveConfig
 from megatron_sat.objectives.sampling_mask import truncated_log_probs
 from megatron_sat.rollout.embedded.engine import EngineRequest, GenerationEngine
 from megatron_sat.rollout.sampling import SamplingParams
@@ -117,6 +118,16 @@ def test_config_refusals_and_mask():
         RolloutConfig(
             replay_sampling_mask=True, top_p=0.9, engine="vllm", server_urls=["http://x:1"]
         )
+    replay = RolloutConfig(replay_sampling_mask=True, top_p=0.9)
+    for objective in (
+        ObjectiveConfig(name="sat-gspo"),  # ratio against the rollout's (untruncated) log mu
+        ObjectiveConfig(name="grpo", tis_cap=2.0),  # corrects pi_old to log mu
+    ):
+        with pytest.raises(ValueError, match="untruncated behaviour policy"):
+            RunConfig(rollout=replay, objective=objective)
+    RunConfig(
+        rollout=replay, objective=ObjectiveConfig(name="grpo", ratio_denominator="recomputed_old")
+    )
     assert replayed_sampling_mask(RolloutConfig(top_p=0.9)) is None
     assert replayed_sampling_mask(
         RolloutConfig(replay_sampling_mask=True, temperature=0.6, top_k=5)
