@@ -93,3 +93,13 @@ def test_no_host_synchronisation():
 
 def test_two_ranks_each_half_the_vocabulary():
     run_torchrun("tests/dist/sampling_mask_tp.py", done="SAMPLING_MASK_TP_OK", timeout=300)
+
+
+@pytest.mark.slow  # a TP2 trainer on 2 ranks: ~25 s here
+def test_trainer_at_tp2_replays_over_megatron_cores_group(tiny_checkpoint):
+    run_torchrun(
+        "tests/dist/sampling_mask_trainer_tp.py",
+        str(tiny_checkpoint),
+        done="SAMPLING_MASK_TRAINER_TP_OK",
+        timeout=600,
+    )

@@ -17,9 +17,9 @@ order, so the kept set is the shorter prefix, fixed by its last token (the *boun
   no host synchronisation.
 - ties: tokens of equal probability are ordered by ascending vocabulary index, the order of
   a stable descending sort. SGLang calls ``torch.sort`` without ``stable=True``, whose tie
-  order is not promised: on CUDA a vocabulary-sized row goes to a radix sort, which is stable
-  (this order), while torch's CPU kernel can reverse ties (ten equal leaders came out
-  29, 28, ..., 20 in tests/test_sampling_mask_tp.py). Exact ties at the boundary are rare in
+  order is not promised: on CUDA a vocabulary-sized row goes to a segmented radix sort, which
+  is stable (this order; not checked on a GPU here), while torch's CPU kernel can reverse
+  ties (ten equal leaders came out 29, 28, ..., 20 in tests/test_sampling_mask_tp.py). Exact ties at the boundary are rare in
   float32 logits; where the orders differ, the kept sets differ by tokens of equal
   probability, so the kept mass, hence the log-prob, is the same unless the label is one of
   them (only the gradient's split over the tied logits differs). Of the boundary
