@@ -19,13 +19,12 @@ order, so the kept set is the shorter prefix, fixed by its last token (the *boun
   a stable descending sort. SGLang calls ``torch.sort`` without ``stable=True``, whose tie
   order is not promised: on CUDA a vocabulary-sized row goes to a segmented radix sort, which
   is stable (this order; not checked on a GPU here), while torch's CPU kernel can reverse
-  ties (ten equal leaders came out 29, 28, ..., 20 in tests/test_sampling_mask_tp.py). Exact ties at the boundary are rare in
-  float32 logits; where the orders differ, the kept sets differ by tokens of equal
-  probability, so the kept mass, hence the log-prob, is the same unless the label is one of
-  them (only the gradient's split over the tied logits differs). Of the boundary
-  value's tokens the first n in that
-  order are kept: n from the top-k count, or from ``(top_p - S(x)) / x`` for top-p, the
-  exclusive sums of ties being ``S(x) + j x``.
+  ties (ten equal leaders came out 29, 28, ..., 20 in tests/test_sampling_mask_tp.py). Exact
+  ties at the boundary are rare in float32 logits; where the orders differ, the kept sets
+  differ by tokens of equal probability, so the kept mass, hence the log-prob, is the same
+  unless the label is one of them (only the gradient's split over the tied logits differs).
+  Of the boundary value's tokens the first n in that order are kept: n from the top-k count,
+  or from ``(top_p - S(x)) / x`` for top-p, the exclusive sums of ties being ``S(x) + j x``.
 
 The exclusive sums are summed per shard and then over TP, not by a cumulative sum, so a token
 whose exclusive sum is within float32 rounding of ``top_p`` may fall on the other side than in
@@ -191,9 +190,11 @@ def truncated_log_probs_tp(
         m = scaled.max(dim=-1, keepdim=True).values
         if group is not None:
             dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
-        e = (scaled - m).exp()
-        probs = e / _sum(e.sum(dim=-1, keepdim=True), group)
+        # in place: at the paper's scale each [tokens, V / TP] float32 buffer is ~GiB
+        probs = (scaled - m).exp_()
+        probs.div_(_sum(probs.sum(dim=-1, keepdim=True), group))
         kept = _kept(probs, mask, group)
+        del probs
         index = local_label.clamp(0, shard - 1)[:, None]
         kept.scatter_(1, index, kept.gather(1, index) | owned[:, None])  # the label is kept
     shifted = scaled - m
