@@ -28,6 +28,7 @@ from torch.overrides import TorchFunctionMode
 
 from megatron_sat.config import ParallelConfig, TrainConfig
 from megatron_sat.objectives import ObjectiveConfig
+from megatron_sat.training.sampling_mask_tp import SamplingMask
 from megatron_sat.training.trainer import PolicyTrainer
 
 SYNCS = frozenset({"item", "tolist", "cpu", "__float__", "__int__", "__bool__", "__index__"})
@@ -88,15 +89,16 @@ def syncs_per_step(trainer, samples, advantages, objective, micro_batch_size) ->
 
 @pytest.mark.slow  # four RL steps of the tiny model: ~25 s on this machine under load
 @pytest.mark.parametrize(
-    "use_r3, objective",
+    "use_r3, objective, sampling_mask",
     [
-        (True, ObjectiveConfig(name="sat-gspo", kl_coef=1e-3)),  # the recipe's objective
-        (False, ObjectiveConfig(name="grpo")),
+        (True, ObjectiveConfig(name="sat-gspo", kl_coef=1e-3), None),  # the recipe's objective
+        (False, ObjectiveConfig(name="grpo"), None),
+        (True, ObjectiveConfig(name="sat-gspo"), SamplingMask(0.8, 0.9, 20)),  # replayed mask
     ],
-    ids=["sat-gspo-r3-kl", "grpo-live"],
+    ids=["sat-gspo-r3-kl", "grpo-live", "sat-gspo-sampling-mask"],
 )
 def test_host_syncs_do_not_grow_with_micro_batches(
-    megatron_world, tiny_checkpoint, tiny_hf_config, use_r3, objective
+    megatron_world, tiny_checkpoint, tiny_hf_config, use_r3, objective, sampling_mask
 ):
     trainer = PolicyTrainer(
         tiny_hf_config,
@@ -105,6 +107,7 @@ def test_host_syncs_do_not_grow_with_micro_batches(
         pad_token_id=0,
         load_from=tiny_checkpoint,
         reference=True,
+        sampling_mask=sampling_mask,
     )
     samples = make_samples(trainer, tiny_hf_config["vocab_size"])
     attach_rollout_log_probs(trainer, samples)

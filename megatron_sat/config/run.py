@@ -85,6 +85,18 @@ class RolloutConfig:
         group_size: G samples per prompt (GRPO group).
         max_new_tokens: generation limit per sample, tokens.
         temperature, top_p, top_k: sampling (SGLang's semantics; top_k=-1 is off).
+        replay_sampling_mask: the trainer scores each token under the distribution the engine
+            sampled it from: ``softmax(logits / temperature)`` truncated by ``top_k`` /
+            ``top_p`` with SGLang's rule, recomputed from the trainer's own (TP-sharded)
+            logits, plus the token itself (``training.sampling_mask_tp``; every trainer
+            log-prob: trained, old, reference). Off: ``log softmax(logits)`` over the whole
+            vocabulary, and the temperature is not applied. Needs a truncation (``top_p < 1``
+            or ``top_k >= 1``) and SGLang servers (the vLLM client refuses truncation: vLLM's
+            processed log-probs follow vLLM's own top-k/top-p rule, not checked against this
+            one). The servers' log-probs (log mu) stay SGLang's, of the untruncated softmax,
+            so an objective that divides by them (``objective.ratio_denominator=rollout``,
+            TIS, IcePop) is refused with the replay; the mismatch metrics against log mu
+            then include the log of the trainer's kept mass.
         update_weights_interval: synchronous mode: weights are pushed to the servers every n
             trainer steps, so samples are up to n - 1 versions old.
         weight_sync_backend: backend of the weight-push group (SGLang's
@@ -139,6 +151,7 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
+    replay_sampling_mask: bool = False
     update_weights_interval: int = 1
     weight_sync_backend: str | None = None
     mode: str = "sync"
@@ -218,6 +231,17 @@ class RolloutConfig:
             raise ValueError(f"rollout.dtype must be float32 or bfloat16, got {self.dtype!r}")
         if self.top_k != -1 and self.top_k < 1:
             raise ValueError(f"rollout.top_k must be -1 (off) or >= 1, got {self.top_k}")
+        if self.replay_sampling_mask and self.top_p >= 1 and self.top_k == -1:
+            raise ValueError(
+                "rollout.replay_sampling_mask=true with top_p=1 and top_k=-1: the engine samples "
+                "from the whole vocabulary, there is no mask to replay (set top_p < 1 or top_k)"
+            )
+        if self.replay_sampling_mask and self.engine == "vllm":
+            raise ValueError(
+                "rollout.replay_sampling_mask=true with rollout.engine=vllm: the vLLM client "
+                "refuses top_p < 1 and top_k (vLLM's processed log-probs are of its own "
+                "truncation rule, which the replay does not reproduce); use SGLang servers"
+            )
         if self.weight_sync_backend not in (None, "gloo", "nccl"):
             raise ValueError(
                 "rollout.weight_sync_backend must be 'gloo', 'nccl' or null (the platform's "
@@ -450,6 +474,21 @@ class RunConfig:
             raise ValueError(
                 f"launch.rollout_engine=vllm starts vLLM servers, but rollout.engine="
                 f"{self.rollout.engine} talks SGLang's API to them: set rollout.engine=vllm"
+            )
+        ob = self.objective
+        if ro.replay_sampling_mask and (
+            ob.ratio_denominator == "rollout" or ob.tis_cap is not None or ob.icepop_range
+        ):
+            # SGLang 0.5.23's sampler returns log(probs) before top-k/top-p (srt/layers/
+            # sampler.py, Sampler.forward), so log mu is the untruncated distribution's.
+            raise ValueError(
+                "rollout.replay_sampling_mask=true with objective.ratio_denominator="
+                f"{ob.ratio_denominator!r}, tis_cap={ob.tis_cap}, icepop_range={ob.icepop_range}: "
+                "the rollout log-probs the servers return are of the untruncated softmax "
+                "(SGLang's convention), so a ratio or correction against them would set the "
+                "truncated policy against the untruncated behaviour policy (off by the log of "
+                "the kept mass, ~0.1 nats a token at top_p 0.9); use objective.ratio_denominator"
+                "='recomputed_old' without TIS / IcePop, or leave the replay off"
             )
         if self.train.use_r3 and not self.rollout.return_routed_experts:
             raise ValueError(

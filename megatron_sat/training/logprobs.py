@@ -17,12 +17,16 @@ import torch
 
 from megatron_sat.training.batching import MicroBatch
 from megatron_sat.training.packing import PackedMicroBatch, use_position_ids_for_rope
+from megatron_sat.training.sampling_mask_tp import SamplingMask, truncated_log_probs_tp
 
 Batch = MicroBatch | PackedMicroBatch
 
 
-def model_log_probs(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
-    """One forward on ``batch``: per-token log pi(label) in the model layout, float32 [R, T].
+def model_log_probs(
+    model: torch.nn.Module, batch: Batch, mask: SamplingMask | None = None
+) -> torch.Tensor:
+    """One forward on ``batch``: per-token log pi(label) in the model layout, float32 [R, T]
+    (under the rollout's truncated sampling distribution with ``mask``: ``fp32_log_probs``).
 
     On a pipeline stage other than the last, the stage's output hidden states instead (what
     megatron-core's GPTModel returns there). The log-probs are the vocab-parallel cross
@@ -36,37 +40,51 @@ def model_log_probs(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
     out = model(batch.input_ids, batch.position_ids, batch.attention_mask)
     if not getattr(getattr(model, "module", model), "post_process", True):
         return out  # a stage's hidden states [S, R, H]
-    return fp32_log_probs(out, batch.labels)  # out: logits [R, T, V / TP]
+    return fp32_log_probs(out, batch.labels, mask)  # out: logits [R, T, V / TP]
 
 
-def fp32_log_probs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def fp32_log_probs(
+    logits: torch.Tensor, labels: torch.Tensor, mask: SamplingMask | None = None
+) -> torch.Tensor:
     """log softmax(logits)[label] over the whole (vocab-parallel) vocabulary, computed in
     float32 from ``logits`` cast to float32, as slime and verl compute log-probs for RL:
     a bf16 log-softmax would round every log-prob to bf16 (8 bits of mantissa: about 0.01
     nats at a log-prob of -3), which is the size of the train-rollout mismatch being measured.
 
+    With ``mask`` (``rollout.replay_sampling_mask``), the log-probability under the
+    rollout's sampling distribution instead: ``softmax(logits / T)`` truncated by SGLang's
+    top-k / top-p rule (``training.sampling_mask_tp``, vocab-parallel, no gather).
+
     Args:
         logits: [..., V / TP] this TP rank's vocabulary shard, any float dtype.
         labels: [...] int64 token ids over the whole vocabulary.
+        mask: the rollout's temperature, top_p and top_k to replay; None: the full softmax.
 
     Returns:
         float32 [...], differentiable with respect to ``logits`` (megatron-core's
         ``vocab_parallel_cross_entropy``, which overwrites its float32 input in place: the
         cast's output, or ``logits`` itself when already float32; the caller must not read
-        ``logits`` again then).
+        ``logits`` again then; with ``mask`` ``logits`` is left as it is).
     """
-    from megatron.core import tensor_parallel
+    from megatron.core import parallel_state, tensor_parallel
 
+    if mask is not None:
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        group = parallel_state.get_tensor_model_parallel_group() if tp > 1 else None
+        return truncated_log_probs_tp(logits, labels, mask, group)
     return -tensor_parallel.vocab_parallel_cross_entropy(logits.float(), labels)
 
 
-def forward_log_probs(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
-    """log pi(labels | prefix) of every position in the sample layout: float32 [N, S].
+def forward_log_probs(
+    model: torch.nn.Module, batch: Batch, mask: SamplingMask | None = None
+) -> torch.Tensor:
+    """log pi(labels | prefix) of every position in the sample layout: float32 [N, S]
+    (truncated by ``mask``: ``fp32_log_probs``).
 
     Positions outside ``batch.samples.loss_mask`` hold log-probs of padding labels (or 0 where
     a packed batch has no token for that sample position): mask them.
     """
-    return batch.to_sample_layout(model_log_probs(model, batch))
+    return batch.to_sample_layout(model_log_probs(model, batch, mask))
 
 
 def vocab_parallel_entropy(logits: torch.Tensor) -> torch.Tensor:
@@ -106,13 +124,14 @@ def vocab_parallel_entropy(logits: torch.Tensor) -> torch.Tensor:
 
 
 def forward_log_probs_and_entropy(
-    model: torch.nn.Module, batch: Batch
+    model: torch.nn.Module, batch: Batch, mask: SamplingMask | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """log pi(labels | prefix) and the policy's entropy at every position, sample layout,
     float32 [N, S] each, from one forward that keeps the (vocab-sharded) logits.
 
-    The log-probs are :func:`fp32_log_probs` of the same logits, exactly what
-    :func:`forward_log_probs` computes. Single pipeline stage.
+    The log-probs are :func:`fp32_log_probs` of the same logits (with ``mask``), exactly what
+    :func:`forward_log_probs` computes; the entropy is the whole softmax's (the policy's, not
+    the truncated sampler's). Single pipeline stage.
     """
     if isinstance(batch, PackedMicroBatch):
         use_position_ids_for_rope(model)
@@ -121,7 +140,7 @@ def forward_log_probs_and_entropy(
     # row the transposed logits are the logits themselves (no copy). The entropy's backward
     # keeps tensors of its own, not the logits.
     entropy = vocab_parallel_entropy(logits)
-    log_probs = fp32_log_probs(logits, batch.labels)
+    log_probs = fp32_log_probs(logits, batch.labels, mask)
     return batch.to_sample_layout(log_probs), batch.to_sample_layout(entropy)
 
 

@@ -154,7 +154,7 @@ def no_grad_log_probs(
             with staged(host_mb, trainer.device) as mb:
                 ctx = replayed(trainer, mb, training=False) if replay else contextlib.nullcontext()
                 with ctx, capture_routing(trainer.model) as used:
-                    log_probs = forward_log_probs(trainer.model, mb)
+                    log_probs = forward_log_probs(trainer.model, mb, trainer.sampling_mask)
                 out.append((log_probs, topk_agreement(used, mb, layout_of(trainer))))
     return out
 
@@ -174,7 +174,7 @@ def pipelined_log_probs(trainer: PolicyTrainer, mbs: list[MicroBatch], replay: b
             routes.put(i, mb)
             ctx = trainer.routing.micro_batch(i) if replay else contextlib.nullcontext()
             with ctx, capture_routing(chunk) as used:
-                output = model_log_probs(chunk, mb)
+                output = model_log_probs(chunk, mb, trainer.sampling_mask)
             counts[i] = topk_counts(used, mb, layout)
             if trainer.is_last_stage:
                 log_probs[i] = mb.to_sample_layout(output)

@@ -65,6 +65,7 @@ from megatron_sat.training.engines import rollout_fleet
 from megatron_sat.training.evaluate import evaluate
 from megatron_sat.training.followers import Followers
 from megatron_sat.training.run_logger import RunLogger
+from megatron_sat.training.sampling_mask_tp import replayed_sampling_mask
 from megatron_sat.training.saving import due, save_if_due
 from megatron_sat.training.schedule import (
     PoolParts,
@@ -252,6 +253,7 @@ def _run_rl(cfg: RunConfig, stop: StopRequest) -> dict:
         pad_token_id=tokenizer.pad_token_id,
         load_from=cfg.init_checkpoint,
         reference=cfg.objective.kl_coef > 0,  # the k3 KL's pi_ref: the initial checkpoint
+        sampling_mask=replayed_sampling_mask(cfg.rollout),
     )
     state, fresh_after_crash = _resumed_state(cfg, trainer)
     first_step = 1 if state is None else state.step + 1

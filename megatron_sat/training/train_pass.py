@@ -104,9 +104,9 @@ def _forward_backward(
     with ctx, capture_routing(trainer.model) as used:
         ent = None
         if entropy:
-            log_probs, ent = forward_log_probs_and_entropy(trainer.model, mb)
+            log_probs, ent = forward_log_probs_and_entropy(trainer.model, mb, trainer.sampling_mask)
         else:
-            log_probs = forward_log_probs(trainer.model, mb)
+            log_probs = forward_log_probs(trainer.model, mb, trainer.sampling_mask)
         if i >= num_real:  # filler: keeps the all-to-alls of the backward in step
             (log_probs.sum() * 0.0).backward()
             return None
@@ -155,9 +155,9 @@ def pipelined_train(
             ent = None
             with ctx, capture_routing(chunk) as used:
                 if trainer.is_last_stage and entropy:
-                    output, ent = forward_log_probs_and_entropy(chunk, mb)
+                    output, ent = forward_log_probs_and_entropy(chunk, mb, trainer.sampling_mask)
                 elif trainer.is_last_stage:
-                    output = forward_log_probs(chunk, mb)
+                    output = forward_log_probs(chunk, mb, trainer.sampling_mask)
                 else:
                     output = model_log_probs(chunk, mb)  # the stage's hidden states
             counts[i] = topk_counts(used, mb, layout)

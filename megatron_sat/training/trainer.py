@@ -38,6 +38,7 @@ from megatron_sat.training.optimizer_layout import resolve_optimizer_layout
 from megatron_sat.training.packing import PackedMicroBatch
 from megatron_sat.training.pass_plan import plan_passes
 from megatron_sat.training.reference import ReferencePolicy
+from megatron_sat.training.sampling_mask_tp import SamplingMask
 from megatron_sat.training.train_pass import train_pass
 
 
@@ -75,6 +76,9 @@ class PolicyTrainer:
             memory with ``train.reference_on_device`` (no copy per step), else, as in slime,
             in pinned host memory (three host<->device copies of the shard per step, through
             buffers allocated once).
+        sampling_mask: score every log-prob (trained, old, reference) under the rollout's
+            truncated sampling distribution (``rollout.replay_sampling_mask``;
+            ``training.sampling_mask_tp``); None: the full softmax.
 
     Raises:
         ValueError: megatron-core's parallel state was already initialised with other sizes
@@ -92,6 +96,7 @@ class PolicyTrainer:
         pad_token_id: int,
         load_from: str | Path | None,
         reference: bool = False,
+        sampling_mask: SamplingMask | None = None,
     ) -> None:
         from megatron.core import parallel_state
 
@@ -105,6 +110,7 @@ class PolicyTrainer:
                 "gather exist: training.context_parallel); use context_parallel_size=1"
             )
         self.train_config = train
+        self.sampling_mask = sampling_mask
         self.pad_token_id = pad_token_id
         self.hf_config = hf_config
         # One device decision (platform.get_device): the model and the log-probs live there;
