@@ -132,3 +132,28 @@ def test_config_refusals_and_mask():
     assert replayed_sampling_mask(
         RolloutConfig(replay_sampling_mask=True, temperature=0.6, top_k=5)
     ) == SamplingMask(0.6, 1.0, 5)
+
+
+def test_the_temperature_is_applied_without_replay(megatron_world, tiny_checkpoint, tiny_hf_config):
+    """SGLang's (and the embedded engine's) log-probs are those of softmax(logits / T): the
+    trainer scores with the same temperature whether or not it replays a truncation (it
+    scored softmax(logits) before, a mismatch of its own making at T != 1)."""
+    sampling = SamplingParams(temperature=0.7, max_new_tokens=6)
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 64, (int(n),), generator=gen).tolist() for n in range(2, 8)]
+    samples = engine_samples(tiny_checkpoint, sampling, prompts)
+    mask = replayed_sampling_mask(RolloutConfig(temperature=0.7))
+    assert mask == SamplingMask(0.7) and not mask.truncates
+    trainer = PolicyTrainer(
+        tiny_hf_config,
+        TrainConfig(use_r3=False, micro_batch_size=4),
+        ParallelConfig(),
+        pad_token_id=0,
+        load_from=tiny_checkpoint,
+        sampling_mask=mask,
+    )
+    tempered = gaps(trainer, samples)
+    trainer.sampling_mask = None
+    untempered = gaps(trainer, samples)
+    assert tempered.max() < 2e-5, tempered.max()
+    assert untempered.mean() > 1e-2, untempered.mean()

@@ -86,17 +86,16 @@ class RolloutConfig:
         max_new_tokens: generation limit per sample, tokens.
         temperature, top_p, top_k: sampling (SGLang's semantics; top_k=-1 is off).
         replay_sampling_mask: the trainer scores each token under the distribution the engine
-            sampled it from: ``softmax(logits / temperature)`` truncated by ``top_k`` /
-            ``top_p`` with SGLang's rule, recomputed from the trainer's own (TP-sharded)
-            logits, plus the token itself (``training.sampling_mask_tp``; every trainer
-            log-prob: trained, old, reference). Off: ``log softmax(logits)`` over the whole
-            vocabulary, and the temperature is not applied. Needs a truncation (``top_p < 1``
-            or ``top_k >= 1``) and SGLang servers (the vLLM client refuses truncation: vLLM's
-            processed log-probs follow vLLM's own top-k/top-p rule, not checked against this
-            one). The servers' log-probs (log mu) stay SGLang's, of the untruncated softmax,
-            so an objective that divides by them (``objective.ratio_denominator=rollout``,
-            TIS, IcePop) is refused with the replay; the mismatch metrics against log mu
-            then include the log of the trainer's kept mass.
+            sampled it from: ``softmax(logits / temperature)`` truncated by ``top_k`` / ``top_p``
+            with SGLang's rule, recomputed from the trainer's own (TP-sharded) logits, plus the
+            token itself (``training.sampling_mask_tp``; every trainer log-prob: trained, old,
+            reference). Off: ``log softmax(logits / temperature)`` over the whole vocabulary (what
+            SGLang's log-probs are). Needs a truncation (``top_p < 1`` or ``top_k >= 1``) and SGLang
+            servers (the vLLM client refuses truncation: vLLM's processed log-probs follow vLLM's
+            own top-k/top-p rule, not checked against this one). The servers' log-probs (log mu)
+            stay SGLang's, of the untruncated softmax, so an objective that divides by them
+            (``objective.ratio_denominator=rollout``, TIS, IcePop) is refused with the replay; the
+            mismatch metrics against log mu then include the log of the trainer's kept mass.
         update_weights_interval: synchronous mode: weights are pushed to the servers every n
             trainer steps, so samples are up to n - 1 versions old.
         weight_sync_backend: backend of the weight-push group (SGLang's

@@ -53,7 +53,9 @@ def fp32_log_probs(
 
     With ``mask`` (``rollout.replay_sampling_mask``), the log-probability under the
     rollout's sampling distribution instead: ``softmax(logits / T)`` truncated by SGLang's
-    top-k / top-p rule (``training.sampling_mask_tp``, vocab-parallel, no gather).
+    top-k / top-p rule (``training.sampling_mask_tp``, vocab-parallel, no gather); with a
+    mask that only sets the temperature (``replayed_sampling_mask`` at T != 1), that of
+    ``softmax(logits / T)``, as the engines return theirs.
 
     Args:
         logits: [..., V / TP] this TP rank's vocabulary shard, any float dtype.
@@ -68,11 +70,14 @@ def fp32_log_probs(
     """
     from megatron.core import parallel_state, tensor_parallel
 
-    if mask is not None:
+    if mask is not None and mask.truncates:
         tp = parallel_state.get_tensor_model_parallel_world_size()
         group = parallel_state.get_tensor_model_parallel_group() if tp > 1 else None
         return truncated_log_probs_tp(logits, labels, mask, group)
-    return -tensor_parallel.vocab_parallel_cross_entropy(logits.float(), labels)
+    scaled = logits.float()
+    if mask is not None and mask.temperature != 1.0:
+        scaled = scaled / mask.temperature  # the engines' log-probs are softmax(logits / T)'s
+    return -tensor_parallel.vocab_parallel_cross_entropy(scaled, labels)
 
 
 def forward_log_probs(

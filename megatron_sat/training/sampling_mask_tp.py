@@ -73,13 +73,27 @@ class SamplingMask:
         if self.top_k != -1 and self.top_k < 1:
             raise ValueError(f"SamplingMask.top_k must be -1 (off) or >= 1, got {self.top_k}")
 
+    @property
+    def truncates(self) -> bool:
+        """Whether top-k or top-p cuts the distribution (else only the temperature applies)."""
+        return self.top_p < 1 or self.top_k != -1
+
 
 def replayed_sampling_mask(rollout: RolloutConfig) -> SamplingMask | None:
-    """The mask the trainer replays for ``rollout`` (``rollout.replay_sampling_mask``), or
-    None when it scores the full softmax."""
-    if not rollout.replay_sampling_mask:
-        return None
-    return SamplingMask(rollout.temperature, rollout.top_p, rollout.top_k)
+    """What the trainer applies to its logits to score tokens as the engine does, or None for
+    the plain full softmax.
+
+    - ``rollout.replay_sampling_mask``: the temperature and the top-k / top-p truncation.
+    - else, at a temperature other than 1: the temperature alone. SGLang's (and the embedded
+      engine's) log-probs are those of ``softmax(logits / T)`` (SGLang 0.5.23
+      ``srt/layers/sampler.py``: ``logprobs = torch.log(probs)`` after the temperature), so
+      a trainer scoring ``softmax(logits)`` would measure a mismatch of its own making.
+    """
+    if rollout.replay_sampling_mask:
+        return SamplingMask(rollout.temperature, rollout.top_p, rollout.top_k)
+    if rollout.temperature != 1.0:
+        return SamplingMask(rollout.temperature)
+    return None
 
 
 class _AllReduceSum(torch.autograd.Function):
