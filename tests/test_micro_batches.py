@@ -304,7 +304,13 @@ def test_launch_plan_places_context_parallel_ranks_as_megatron_core():
     from megatron_sat.launch.plan import format_plan, resolve_plan
 
     cfg = load_config(
-        RECIPE, ["parallel.tensor_model_parallel_size=2", "parallel.context_parallel_size=2"]
+        RECIPE,
+        [
+            "parallel.tensor_model_parallel_size=2",
+            "parallel.context_parallel_size=2",
+            # the memory plan: TP 2 alone does not hold the recipe's activations
+            "train.recompute_granularity=full",
+        ],
     )
     plan = resolve_plan(cfg)
     assert (plan.world_size, plan.tp, plan.cp, plan.dp) == (4, 2, 2, 1)

@@ -50,7 +50,8 @@ def departure(name: str, field: str, value: Any) -> str | None:
         return None
     want = paper_default(name, field)
     why = {
-        "loss_agg_mode": "which weights each response by its length"
+        "loss_agg_mode": "token-mean weights each response by its length, the paper's "
+        "per-response mean weighs responses equally"
         if value == "token-mean"
         else "another weighting of responses",
         "eps_low": "a lower bound on the importance weight that the paper does not have",
