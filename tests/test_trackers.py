@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import sys
+import time
 
 import pytest
 import wandb_records
@@ -59,6 +60,10 @@ def test_resume_continues_the_same_run(tmp_path, offline):
     with RunLogger(tmp_path, trackers=[WandbTracker(cfg, tmp_path, {}, resuming=False)]) as log:
         log.log(1, {"a": 1.0})
     first = (tmp_path / RUN_ID_FILE).read_text().strip()
+    # W&B names an offline run's folder by the second it starts: two attempts within one second
+    # share a folder and the later one's records are not kept there (a real resume rebuilds the
+    # trainer first, which takes longer)
+    time.sleep(1.1)
     with RunLogger(tmp_path, 1, [WandbTracker(cfg, tmp_path, {}, resuming=True)]) as log:
         log.log(2, {"a": 2.0})
     assert (tmp_path / RUN_ID_FILE).read_text().strip() == first
