@@ -257,8 +257,8 @@ def test_rl_steps_of_the_main_job_against_vllm(
     pushes, steps = [], []
     real_sync, real_step = rl.sync_servers, rl.distributed_rl_step
 
-    def recorded_sync(fleet, pools, named_tensors, version):
-        report = real_sync(fleet, pools, named_tensors, version)
+    def recorded_sync(fleet, pools, named_tensors, version, **options):
+        report = real_sync(fleet, pools, named_tensors, version, **options)
         run_trainer = named_tensors.__self__.trainer  # _Followers.hf_tensors
         pushes.append((version, client.get_weight_version(), max_gap(run_trainer, probe(client))))
         return report
@@ -349,8 +349,8 @@ def test_bounded_mode_pushes_during_generation_kill_no_server(
     reports, steps = [], []
     real_sync, real_step = rl.sync_servers, rl.distributed_rl_step
 
-    def recorded_sync(fleet, pools, named_tensors, version):
-        report = real_sync(fleet, pools, named_tensors, version)
+    def recorded_sync(fleet, pools, named_tensors, version, **options):
+        report = real_sync(fleet, pools, named_tensors, version, **options)
         reports.append((version, report, set().union(*(p.down_servers() for p in pools))))
         return report
 
