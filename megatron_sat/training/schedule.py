@@ -20,6 +20,7 @@ Adding a mode: a ``Schedule`` subclass here, its pool in ``rollout``, its branch
 
 from __future__ import annotations
 
+import abc
 import functools
 import time
 from collections.abc import Callable, Iterator
@@ -110,33 +111,37 @@ def async_pool_config(cfg: RunConfig) -> AsyncPoolConfig:
     )
 
 
-class Schedule:
+class Schedule(abc.ABC):
     """The per-mode order around a train step (module docstring). ``pools`` are the pools the
     schedule adds to the run's (weight pushes regroup them; their counters are logged)."""
 
     pools: tuple[AsyncRolloutPool, ...] = ()
 
-    def start(self) -> None:
+    def start(self) -> None:  # noqa: B027 (a hook: nothing to do by default)
         """Before the first step (after the initial evaluation)."""
 
+    @abc.abstractmethod
     def generate(self, step: int) -> list[Sample]:
         """The batch step ``step`` trains on, groups contiguous."""
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def after_step(self, step: int, version: int, *, eval_due: bool, save_due: bool) -> AfterStep:
         """Push, evaluate, export: what follows the train step that made ``version``."""
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def data_position(self, step: int, pool_state: dict | None) -> int:
         """The prompts a run checkpoint after ``step`` records as consumed."""
-        raise NotImplementedError
+        ...
 
     @property
+    @abc.abstractmethod
     def filtered_groups(self) -> int:
         """Groups replaced for equal rewards in the batches returned so far."""
-        raise NotImplementedError
+        ...
 
-    def stop(self) -> None:
+    def stop(self) -> None:  # noqa: B027 (a hook: nothing to do by default)
         """After the last step."""
 
 

@@ -20,6 +20,7 @@ failure leaves on the servers (``_fail``); the servers are reached through chann
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import threading
 import time
@@ -53,7 +54,7 @@ class UpdateStats:
     seconds: float
 
 
-class BaseWeightUpdater:
+class BaseWeightUpdater(abc.ABC):
     """Pushes HF-named tensors from trainer rank 0 to every server (module docstring).
 
     Args:
@@ -175,9 +176,10 @@ class BaseWeightUpdater:
             store=store,
         )
 
+    @abc.abstractmethod
     def _join(self, channel: Any, port: int, rank_offset: int) -> None:
         """Ask one server to join the group at ``rank_offset``."""
-        raise NotImplementedError
+        ...
 
     # -- one update ---------------------------------------------------------------------------
     def update(
@@ -226,11 +228,12 @@ class BaseWeightUpdater:
         except WeightSyncError as e:
             self.end_update(e)
 
+    @abc.abstractmethod
     def send_buckets(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: str | None
     ) -> UpdateStats:
         """Step 2: every bucket of ``named_tensors``; sets ``loaded_any``."""
-        raise NotImplementedError
+        ...
 
     @property
     def loaded_any(self) -> bool:
@@ -274,27 +277,28 @@ class BaseWeightUpdater:
         self._open = [c for c, f in zip(open_, futures, strict=True) if f.exception() is not None]
         self._raise_failures(self.calls["end"], futures, open_)
 
-    def _after_sessions(self) -> None:
+    def _after_sessions(self) -> None:  # noqa: B027 (a hook: nothing by default)
         """What the engine needs between closing the sessions and continuing generation."""
 
     def _end_failed(self, error: WeightSyncError) -> None:
         """Step 3 failed after a successful ``send_buckets``: the servers stay paused."""
         raise error
 
-    def _begin(self, channel: Any) -> None:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def _begin(self, channel: Any) -> None: ...
 
-    def _end(self, channel: Any, weight_version: str | None) -> None:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def _end(self, channel: Any, weight_version: str | None) -> None: ...
 
+    @abc.abstractmethod
     def _fail(self, error: BaseException, loaded: bool) -> None:
         """The update failed with ``error`` (``loaded``: some server loaded a bucket): close
         what is open, resume when nothing changed, and raise saying in which state the
         servers are."""
-        raise NotImplementedError
+        ...
 
-    def _leave(self, channel: Any) -> None:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def _leave(self, channel: Any) -> None: ...
 
     # -- plumbing -----------------------------------------------------------------------------
     def _on_servers(self, what: str, clients: Sequence[Any], call: Callable[[Any], None]) -> None:
@@ -325,7 +329,7 @@ class BaseWeightUpdater:
             self._release_staging()
             self._pool.shutdown(wait=True)
 
-    def _release_staging(self) -> None:
+    def _release_staging(self) -> None:  # noqa: B027 (a hook: nothing by default)
         """Drop the reused staging buffers."""
 
 
