@@ -298,30 +298,29 @@ RECIPE = "examples/configs/qwen3_30b_a3b_sat_gspo_r3.yaml"
 
 
 def test_launch_plan_places_context_parallel_ranks_as_megatron_core():
+    """The plan's CP groups are megatron-core's (for when the steps run CP), while the plan
+    refuses CP > 1 today, as the trainer does."""
     from megatron.core.parallel_state import RankGenerator
 
     from megatron_sat.config import load_config
-    from megatron_sat.launch.plan import format_plan, resolve_plan
+    from megatron_sat.launch.plan import _groups_and_ranks, resolve_plan
 
     cfg = load_config(
         RECIPE,
         [
             "parallel.tensor_model_parallel_size=2",
             "parallel.context_parallel_size=2",
-            # the memory plan: TP 2 alone does not hold the recipe's activations
             "train.recompute_granularity=full",
         ],
     )
-    plan = resolve_plan(cfg)
-    assert (plan.world_size, plan.tp, plan.cp, plan.dp) == (4, 2, 2, 1)
+    with pytest.raises(ValueError, match="context_parallel_size=2: the trainer's steps do not"):
+        resolve_plan(cfg)
+    groups, ranks = _groups_and_ranks(cfg.launch, 4, tp=2, cp=2, pp=1, dp=1, etp=1, ep=1, edp=4)
     gen = RankGenerator(tp=2, ep=1, dp=1, pp=1, cp=2, order="tp-cp-ep-dp-pp")
-    assert plan.groups["context parallel"] == gen.get_ranks("cp") == [[0, 2], [1, 3]]
-    assert plan.groups["data-context parallel (dp-cp)"] == gen.get_ranks("dp-cp")
-    assert plan.groups["tensor parallel"] == gen.get_ranks("tp")
-    assert [(r.tp, r.cp) for r in plan.ranks] == [(0, 0), (1, 0), (0, 1), (1, 1)]
-    text = format_plan(plan)
-    assert "world 4 = TP 2 x PP 1 x DP 1 (CP 2)" in text
-    assert "chunks r and 3-r" in text
+    assert groups["context parallel"] == gen.get_ranks("cp") == [[0, 2], [1, 3]]
+    assert groups["data-context parallel (dp-cp)"] == gen.get_ranks("dp-cp")
+    assert groups["tensor parallel"] == gen.get_ranks("tp")
+    assert [(r.tp, r.cp) for r in ranks] == [(0, 0), (1, 0), (0, 1), (1, 1)]
 
 
 def test_launch_plan_refuses_cp_on_cpu_and_a_budget_below_the_longest_sample():
@@ -352,6 +351,12 @@ def test_launch_plan_refuses_cp_on_cpu_and_a_budget_below_the_longest_sample():
     new = cfg.rollout.max_new_tokens
     with pytest.raises(ValueError, match=f"max_tokens_per_micro_batch={new}: a sample of"):
         resolve_plan(load_config(RECIPE, [f"train.max_tokens_per_micro_batch={new}"]))
-    # CP 2 halves each rank's share of a row: the same budget now fits
-    plan = resolve_plan(load_config(RECIPE, tp2_cp2 + [f"train.max_tokens_per_micro_batch={new}"]))
-    assert plan.micro_batches_per_dp_rank == 0  # set by the lengths at run time
+    # CP 2 halves each rank's share of a row: the same budget now fits (only the refusal of
+    # CP itself remains)
+    from megatron_sat.config.layout import context_parallel_errors
+
+    cp2 = load_config(RECIPE, tp2_cp2 + [f"train.max_tokens_per_micro_batch={new}"])
+    assert context_parallel_errors(cp2, 4, 2, 2, 1) == [
+        "parallel.context_parallel_size=2: the trainer's steps do not run context parallelism "
+        "yet (PolicyTrainer refuses it); use context_parallel_size=1"
+    ]

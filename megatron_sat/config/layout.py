@@ -57,16 +57,14 @@ def check_train_layout(cfg: Any, world: int, hf_config: dict[str, Any] | None = 
     pp = par.pipeline_model_parallel_size
     ep, etp = par.expert_model_parallel_size, par.expert_tensor_parallel_size
     errors = layout_errors(hf_config, world, tp, pp, ep, etp, sp)
-    errors += context_parallel_errors(cfg, world, tp, cp, pp, [])
+    errors += context_parallel_errors(cfg, world, tp, cp, pp)
     if errors:
         raise ValueError("invalid training layout:\n  " + "\n  ".join(errors))
 
 
-def context_parallel_errors(
-    cfg: Any, world: int, tp: int, cp: int, pp: int, notes: list[str]
-) -> list[str]:
-    """Context parallelism and the token budget against the world, the device and the
-    longest sample; adds notes on what CP needs."""
+def context_parallel_errors(cfg: Any, world: int, tp: int, cp: int, pp: int) -> list[str]:
+    """Context parallelism and the token budget against the world, the device, the trainer
+    and the longest sample."""
     errors = []
     if cp > 1:
         if world % (tp * cp * pp):
@@ -80,10 +78,12 @@ def context_parallel_errors(
                 "context parallelism is transformer-engine's (ring attention); the CPU path "
                 "has none"
             )
-        notes.append(
-            f"context parallel {cp}: each sequence is cut into {2 * cp} chunks, rank r of a CP "
-            f"group holding chunks r and {2 * cp - 1}-r (tokens, loss masks and R3 routes "
-            "alike); the trainer's steps do not run CP yet and refuse it"
+        # The slicing and the log-prob gather exist (training.context_parallel), but the
+        # trainer's steps refuse CP (PolicyTrainer); a plan that calls CP valid would let a
+        # job queue for hours to fail at build.
+        errors.append(
+            f"parallel.context_parallel_size={cp}: the trainer's steps do not run context "
+            "parallelism yet (PolicyTrainer refuses it); use context_parallel_size=1"
         )
     budget = cfg.train.max_tokens_per_micro_batch
     if budget is not None and cfg.rollout.max_new_tokens + 1 > budget * cp:

@@ -16,9 +16,10 @@ class ParallelConfig:
         expert_tensor_parallel_size: TP degree inside the experts. 1 (every expert whole on
             one rank, the usual MoE layout and the launch plan's) unless set; megatron-core's
             own default would be the TP size.
-        context_parallel_size: CP degree: every sequence split over CP ranks by megatron-core's
-            load-balanced split (``training.context_parallel``). Attention under CP is
-            transformer-engine's, so CP > 1 is refused without CUDA (``init_distributed``).
+        context_parallel_size: CP degree. Only 1 runs today: the launch plan, ``train``'s
+            checks and the trainer refuse CP > 1, because the steps do not cut micro-batches
+            over CP ranks yet (the load-balanced slicing and the log-prob gather exist:
+            ``training.context_parallel``).
     """
 
     tensor_model_parallel_size: int = 1

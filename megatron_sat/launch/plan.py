@@ -199,7 +199,7 @@ def resolve_plan(cfg: Any, hf_config: dict[str, Any] | None = None) -> LaunchPla
     cp = parallel_option(par, "context_parallel_size") or 1
 
     errors = layout_errors(hf_config, world, tp, pp, ep, etp, sp)
-    errors += context_parallel_errors(cfg, world, tp, cp, pp, notes)
+    errors += context_parallel_errors(cfg, world, tp, cp, pp)
     if errors:
         raise ValueError("invalid launch configuration:\n  " + "\n  ".join(errors))
     dp, edp = world // (tp * cp * pp), world // (etp * ep * pp)
