@@ -706,6 +706,11 @@ def main(argv: list[str] | None = None) -> int:
     # Before CUDA starts: cuBLAS's deterministic workspace, which torch's deterministic
     # algorithms (the compared step) require.
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    if args.mode == "cpu":
+        # Before torch starts: the CPU mode on a CUDA host must not reach the GPU through the
+        # trainer's own device choice (platform.device picks CUDA whenever it is visible); the
+        # embedded server's subprocess inherits this too.
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
     # The embedded server's subprocess imports this checkout's package too.
     os.environ["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p
