@@ -154,3 +154,17 @@ def test_copy_into_is_bitwise(dtype):
     assert wide.sum().item() == 15.0 and wide[:, 1::2].abs().sum().item() == 0.0
     with pytest.raises(RuntimeError):
         copy_into(torch.zeros(2, 2), torch.zeros(3, 3))
+
+
+def test_copy_into_bumps_the_version_as_copy_does():
+    """A weight saved for backward and then overwritten fails at backward, as with copy_."""
+    w = torch.ones(4, requires_grad=True)
+    x = torch.ones(4, requires_grad=True)
+    with torch.no_grad():
+        target = w.detach()
+    y = (x * target).sum()  # saves target
+    before = target._version
+    copy_into(target, torch.full((4,), 2.0))
+    assert target._version == before + 1
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward()

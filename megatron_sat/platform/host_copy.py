@@ -12,6 +12,7 @@ stream).
 from __future__ import annotations
 
 import torch
+from torch.autograd.graph import increment_version
 
 
 def copy_bytes_into(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
@@ -70,6 +71,9 @@ def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.detach().reshape(-1).view(torch.uint8).numpy()[...] = (
             src.detach().reshape(-1).view(torch.uint8).numpy()
         )
+        # As copy_ would: a tensor saved for backward before the write then fails loudly at
+        # backward instead of differentiating through the new values.
+        increment_version(dst)
         return
     dst.copy_(src)
 
