@@ -39,6 +39,7 @@
 #   total                          103.51 GiB of 139 GiB: fits
 # memory per rollout device: bf16 weights 14.2 GiB (TP 4); the rest is the server's KV cache
 # rollout pool host memory (rank0_host): up to 1 batch(es) x 4096 samples x 8,704 tokens (launch.max_prompt_tokens + rollout.max_new_tokens, the longest sample) x (384 B compact routes + 80 B ids, log-probs, versions) per token = 15.4 GiB (routes 12.8 GiB)
+# host memory of trainer node 0: 532.6 GiB = 4 rank(s) x (85.4 offloaded optimizer + 28.5 reference policy + 15.4 batch share) + 15.4 rollout pool (the rollout servers' own processes not counted)
 # note: memory plan: transformer_engine kernels; largest micro-batch 32,768 tokens (train.max_tokens_per_micro_batch=32768); micro-batches moved to the device one at a time; routes assumed balanced over the expert-parallel ranks
 # note: reference policy in host memory (28.5 GiB per trainer rank while it is swapped in for its pass: its weights and the policy's); on the device it would take 14.2 GiB, which fits
 # note: optimizer offload: 85.4 GiB of host memory per trainer rank (fp32 main weights and Adam moments)

@@ -157,6 +157,10 @@ class LaunchConfig:
             (parameters, gradients, optimizer states, activations, logits, the micro-batch,
             workspaces: ``launch.step_memory``) or a server's weights exceed it. Ignored (and
             said so) on "cpu".
+        host_memory_gib: host memory (RAM) of one trainer node, GiB; the dry-run fails when
+            node 0's trainer ranks (offloaded optimizer, the reference policy's host buffers,
+            each rank's batch share) and the rollout pool need more (``launch.host_memory``).
+            None: printed, not checked.
         max_prompt_tokens: the longest prompt the memory plan assumes, tokens (with
             ``rollout.max_new_tokens`` it sizes the longest sample).
         reserved_memory_gib: device memory outside PyTorch's tensors that the memory plan
@@ -198,6 +202,7 @@ class LaunchConfig:
     rollout_base_port: int = 30000
     hosts: list[str] = field(default_factory=list)
     gpu_memory_gib: float = 80.0
+    host_memory_gib: float | None = None
     max_prompt_tokens: int = 512
     reserved_memory_gib: float = 3.0
     params_dtype: str = "bf16"
@@ -242,6 +247,11 @@ class LaunchConfig:
             _is_int(port) and 1024 <= port <= 65535, "rollout_base_port", "a port in [1024, 65535]"
         )
         check(self.gpu_memory_gib > 0, "gpu_memory_gib", "> 0")
+        check(
+            self.host_memory_gib is None or self.host_memory_gib > 0,
+            "host_memory_gib",
+            "None or > 0",
+        )
         for env in ("sglang_env", "vllm_env"):
             value = getattr(self, env)
             ok = value is None or (isinstance(value, str) and value.strip() != "")

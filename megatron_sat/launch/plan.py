@@ -23,6 +23,7 @@ from megatron_sat.config.layout import (
     parallel_option,
     read_model_config,
 )
+from megatron_sat.launch.host_memory import host_memory, host_memory_errors, host_memory_line
 from megatron_sat.launch.memory import (
     GIB,
     MemoryEstimate,
@@ -118,6 +119,7 @@ class LaunchPlan:
     memory_offload_toggled: MemoryEstimate | None = None
     step_memory: StepMemory | None = None
     pool_memory: str = ""  # rollout.pool_memory's report line
+    host_memory: str = ""  # launch.host_memory's report line
 
     @property
     def trainer_nodes(self) -> list[int]:
@@ -211,6 +213,8 @@ def resolve_plan(cfg: Any, hf_config: dict[str, Any] | None = None) -> LaunchPla
     sizes = dict(tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, dp=dp, sequence_parallel=sp)
     memory, toggled, step = _memory(cfg, hf_config, params, layout, sizes, edp, errors, notes)
     errors += _memory_errors(cfg, memory, bool(servers), notes)
+    host = host_memory(cfg, memory, toggled, _pool_memory(cfg, hf_config)[0], dp)
+    errors += host_memory_errors(launch.host_memory_gib, host)
     if errors:
         raise ValueError("invalid launch configuration:\n  " + "\n  ".join(errors))
     samples, mbs = cfg.rollout.prompts_per_step * cfg.rollout.group_size, cfg.train.micro_batch_size
@@ -245,6 +249,7 @@ def resolve_plan(cfg: Any, hf_config: dict[str, Any] | None = None) -> LaunchPla
         memory_offload_toggled=toggled,
         step_memory=step,
         pool_memory=_pool_memory(cfg, hf_config)[1],
+        host_memory=host_memory_line(host),
     )
 
 
@@ -603,5 +608,6 @@ def format_plan(plan: LaunchPlan, max_rows: int = 64) -> str:
             f" GiB (TP {la.rollout_server_tp}); the rest is the server's KV cache"
         )
     lines += [plan.pool_memory] if plan.pool_memory else []
+    lines += [plan.host_memory] if plan.host_memory else []
     lines += [f"note: {n}" for n in plan.notes]
     return "\n".join(lines)
