@@ -519,7 +519,25 @@ def _step_memory_lines(plan: LaunchPlan) -> list[str]:
 
 def format_plan(plan: LaunchPlan, max_rows: int = 64) -> str:
     """The dry-run's human-readable topology and memory report (several lines)."""
-    la, m, hf = plan.launch, plan.memory, plan.hf_config
+    lines = _topology_lines(plan, max_rows)
+    lines += _servers_and_batch_lines(plan)
+    lines += _static_memory_lines(plan)
+    lines += _step_memory_lines(plan)
+    la, m = plan.launch, plan.memory
+    if plan.servers:
+        lines.append(
+            f"memory per rollout device: bf16 weights {m.server_weight_bytes_per_gpu / GIB:.1f}"
+            f" GiB (TP {la.rollout_server_tp}); the rest is the server's KV cache"
+        )
+    lines += [plan.pool_memory] if plan.pool_memory else []
+    lines += [plan.host_memory] if plan.host_memory else []
+    lines += [f"note: {n}" for n in plan.notes]
+    return "\n".join(lines)
+
+
+def _topology_lines(plan: LaunchPlan, max_rows: int) -> list[str]:
+    """Model, allocation, the trainer's ranks (at most ``max_rows``) and process groups."""
+    la, hf = plan.launch, plan.hf_config
     unit = "GPUs" if la.device == "cuda" else "CPU processes"
     rollout_devices = sum(len(s.devices) for s in plan.servers)
     num_experts = hf.get("num_experts") or hf.get("num_local_experts") or hf.get("n_routed_experts")
@@ -551,6 +569,13 @@ def format_plan(plan: LaunchPlan, max_rows: int = 64) -> str:
     for name, groups in plan.groups.items():
         shown = json.dumps(groups[:8]) + (f" ... ({len(groups)} groups)" if len(groups) > 8 else "")
         lines.append(f"  {name:<24} {shown}")
+    return lines
+
+
+def _servers_and_batch_lines(plan: LaunchPlan) -> list[str]:
+    """The rollout servers, the weight-sync group and the batch."""
+    la = plan.launch
+    lines = []
     lines.append(f"rollout servers ({plan.server_source}):")
     for s in plan.servers:
         lines.append(
@@ -575,6 +600,14 @@ def format_plan(plan: LaunchPlan, max_rows: int = 64) -> str:
             else "token-budget micro-batches (count set by the lengths)"
         )
     )
+    return lines
+
+
+def _static_memory_lines(plan: LaunchPlan) -> list[str]:
+    """Parameters, gradients and optimizer states per trainer device, as built and with the
+    optimizer offload toggled."""
+    la, m = plan.launch, plan.memory
+    lines = []
     ol = plan.optimizer_layout
     how = (
         f"{ol.params_dtype} params, "
@@ -601,13 +634,4 @@ def format_plan(plan: LaunchPlan, max_rows: int = 64) -> str:
             f"{est.optimizer_bytes / GIB:.1f} GiB = {est.trainer_bytes / GIB:.1f} GiB of "
             f"{la.gpu_memory_gib:g} GiB (headroom {headroom:.1f} GiB for activations)"
         )
-    lines += _step_memory_lines(plan)
-    if plan.servers:
-        lines.append(
-            f"memory per rollout device: bf16 weights {m.server_weight_bytes_per_gpu / GIB:.1f}"
-            f" GiB (TP {la.rollout_server_tp}); the rest is the server's KV cache"
-        )
-    lines += [plan.pool_memory] if plan.pool_memory else []
-    lines += [plan.host_memory] if plan.host_memory else []
-    lines += [f"note: {n}" for n in plan.notes]
-    return "\n".join(lines)
+    return lines
