@@ -136,3 +136,31 @@ class _Down(list):
 
     def pop(self, index=-1):
         return 503 if latest_run_checkpoint(self.run_dir) is not None else None
+
+
+@pytest.mark.slow
+def test_the_eval_job_scores_with_the_configured_plugin(tiny_checkpoint, tmp_path):
+    from megatron_sat.cli import main
+
+    plugin = tmp_path / "chars.py"
+    plugin.write_text(
+        "def score(prompt, response, label, metadata):\n"
+        "    return {'score': float(label in response), 'chars': len(response)}\n"
+    )
+    rows = [{"problem": f"{a}+{b}=", "answer": str(a + b)} for a, b in [(1, 2), (3, 4)]]
+    data = tmp_path / "sums.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run_dir = tmp_path / "run"
+    argv = ["eval", "--data", str(data), "--prompt-key", "problem", "--label-key", "answer"]
+    argv += ["--num-samples", "2", "--max-new-tokens", "4"]
+    argv += [f"init_checkpoint={tiny_checkpoint}", f"run_dir={run_dir}"]
+    argv += ["rollout.reward=python", f"rollout.reward_function={plugin}:score"]
+    assert main(argv) == 0
+    per_problem = [json.loads(x) for x in (run_dir / "eval/sums_step0.jsonl").open()]
+    responses = [text for r in per_problem for text in r["responses"]]
+    for r in per_problem:
+        assert r["rewards"] == [float(r["label"] in text) for text in r["responses"]]
+    result = json.loads((run_dir / "eval/results.jsonl").read_text().splitlines()[-1])
+    assert result["metrics"]["reward/chars"] == pytest.approx(
+        sum(len(t) for t in responses) / len(responses)
+    )

@@ -106,7 +106,9 @@ class RolloutPool:
     Args:
         clients: one client per server; prompts are split evenly among them.
         tokenizer: encodes prompts, decodes responses (HF tokenizer).
-        reward_fn: ``reward_fn(response_text, label) -> float``.
+        reward_fn: ``reward_fn(response_text, label) -> float``, or an object whose
+            ``submit(response_text, label, prompt, metadata)`` returns a future of the reward
+            (``rollout.reward_choice.open_reward``'s); see ``pool.submit_reward``.
         routing: shape of the served model's routing; when given, routed experts are requested
             and attached to every sample (R3).
         stop_token_ids: stop tokens besides the model's eos.
