@@ -16,6 +16,7 @@ from megatron_sat.checkpoint.run_state import latest_run_checkpoint
 from megatron_sat.config import load_config
 from megatron_sat.rollout.arith import make_arith_splits
 from megatron_sat.rollout.remote_reward import RemoteRewardError
+from megatron_sat.rollout.reward_plugins import RewardPluginError
 
 EXAMPLE = Path(__file__).parents[1] / "examples" / "rewards" / "length_penalized_math.py"
 
@@ -87,6 +88,22 @@ def test_a_plugin_returning_nan_is_refused_before_the_first_step(
         rl.run_rl(cfg)
     assert all(r["step"] == 0 for r in _rows(tmp_path / "run"))  # no step logged
     assert latest_run_checkpoint(tmp_path / "run") is None  # nor saved
+
+
+@pytest.mark.slow
+def test_a_plugin_that_cannot_be_imported_fails_before_the_servers_start(
+    tmp_path, tiny_checkpoint, megatron_world, monkeypatch
+):
+    import megatron_sat.training.rl as rl
+
+    def no_fleet(cfg):
+        raise AssertionError("the rollout servers were started")
+
+    monkeypatch.setattr(rl, "rollout_fleet", no_fleet)
+    spec = "rollout.reward_function=no_such_reward_pkg.scores:score"
+    cfg = _config(tmp_path, tiny_checkpoint, "rollout.reward=python", spec)
+    with pytest.raises(RewardPluginError, match=r"cannot import no_such_reward_pkg.scores \("):
+        rl.run_rl(cfg)
 
 
 @pytest.mark.slow

@@ -381,9 +381,11 @@ def _lead(
     if fresh_after_crash:
         resume_step = -1  # drop every line the killed run logged
     with (
+        # rollout.reward's, concurrently, timeouts on; first, so that a plug-in that cannot
+        # be imported fails before the servers start
+        open_reward(cfg.rollout) as rewards,
         rollout_fleet(cfg) as fleet,
         RunLogger(run_dir, resume_step, _trackers(cfg, resume_step)) as logger,
-        open_reward(cfg.rollout) as rewards,  # rollout.reward's, concurrently, timeouts on
     ):
         lead = _Lead(cfg, trainer, tokenizer, followers, fleet, logger, rewards, eval_records)
         lead.stop = stop
