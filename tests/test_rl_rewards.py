@@ -107,6 +107,40 @@ def test_a_plugin_that_cannot_be_imported_fails_before_the_servers_start(
 
 
 @pytest.mark.slow
+def test_a_run_retries_a_slow_and_a_failing_scorer_request_and_finishes(
+    tmp_path, tiny_checkpoint, megatron_world
+):
+    """Asynchronous mode (the async pool's workers submit the rewards): the scorer's first
+    request outlasts the 1 s timeout, its retry gets HTTP 503, the next try is scored."""
+    import megatron_sat.training.rl as rl
+
+    scorer = Scorer(script=[3.0, 503])
+    try:
+        cfg = _config(
+            tmp_path,
+            tiny_checkpoint,
+            "rollout.reward=http",
+            f"rollout.reward_url={scorer.url}",
+            "rollout.reward_timeout_s=1",
+            "rollout.reward_max_retries=2",
+            "rollout.mode=fixed_lag",
+            "rollout.lag=1",
+        )
+        rl.run_rl(cfg)
+    finally:
+        scorer.shutdown()
+        scorer.server_close()
+    rows = {r["step"]: r for r in _rows(tmp_path / "run")}
+    assert sorted(rows) == [0, 1, 2]
+    # the first request was sent three times: timed out, refused, scored (a greedy evaluation
+    # later may send the same items again)
+    # (other requests may interleave: the senders work concurrently)
+    assert scorer.script == [] and scorer.bodies.count(scorer.bodies[0]) >= 3
+    # the scorer's reward is the response's length in characters, a positive mean here
+    assert all(rows[step]["rollout/reward"] > 0 for step in (1, 2))
+
+
+@pytest.mark.slow
 def test_a_remote_scorer_that_goes_down_ends_the_run_with_the_checkpoint_intact(
     tmp_path, tiny_checkpoint, megatron_world
 ):
