@@ -131,6 +131,23 @@ def test_a_scorer_that_stays_down_fails_every_sample_with_a_clear_error(scorer_f
             reward.submit("r", "l", "p").result(timeout=30)
 
 
+def test_closing_fails_what_waits_for_a_down_scorer_at_once(scorer_factory):
+    scorer = scorer_factory(script=[503] * 100)
+    reward = _client(scorer.url, batch_size=1, max_retries=5, backoff_s=10.0, num_connections=1)
+    futures = [reward.submit("r", "l", f"p{i}") for i in range(6)]
+    while not scorer.bodies:  # the first request was refused; its sender now backs off 10 s
+        time.sleep(0.01)
+    t0 = time.monotonic()
+    reward.close()
+    assert time.monotonic() - t0 < 5  # not 6 requests x (10 + 20 + ...) s of backoff
+    with pytest.raises(RemoteRewardError, match=r"closed .* scored \(after _Retryable: HTTP 503"):
+        futures[0].result(timeout=1)
+    for future in futures[1:]:
+        with pytest.raises(RemoteRewardError, match="closed before this request was scored$"):
+            future.result(timeout=1)
+    assert len(scorer.bodies) == 1
+
+
 def test_replies_outside_the_schema_fail_at_once(scorer_factory):
     scorer = scorer_factory(script=[400])
     with _client(scorer.url) as reward:

@@ -93,6 +93,7 @@ class RemoteReward:
         self.url, self.batch_size, self.max_retries = url, batch_size, max_retries
         self.backoff_s, self.max_backoff_s, self.max_wait_s = backoff_s, max_backoff_s, max_wait_s
         self.retries = 0  # requests sent again, cumulative
+        self._closed = threading.Event()
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._client = httpx.Client(timeout=timeout_s, headers=headers)
         self._queue: queue.Queue = queue.Queue()
@@ -151,7 +152,13 @@ class RemoteReward:
         for attempt in range(self.max_retries + 1):
             if attempt:
                 self.retries += 1
-                time.sleep(min(self.backoff_s * 2 ** (attempt - 1), self.max_backoff_s))
+                # closing cuts the wait short: the run is ending, e.g. on another request's error
+                self._closed.wait(min(self.backoff_s * 2 ** (attempt - 1), self.max_backoff_s))
+            if self._closed.is_set():
+                after = "" if last is None else f" (after {type(last).__name__}: {last})"
+                raise RemoteRewardError(
+                    f"reward scorer {self.url}: closed before this request was scored{after}"
+                )
             try:
                 reply = self._client.post(self.url, json={"items": items})
                 if reply.status_code in RETRY_STATUSES:
@@ -195,7 +202,11 @@ class RemoteReward:
         ]
 
     def close(self) -> None:
-        """Send what is queued, then stop the batcher, the senders and the connections."""
+        """Stop the batcher, the senders and the connections. Samples still queued or waiting
+        for a retry fail with `RemoteRewardError` at once (a run that ends on a scorer's error
+        does not wait out every other request's retries); a request in flight ends within its
+        timeout."""
+        self._closed.set()
         self._queue.put(None)
         self._batcher.join()
         self._senders.shutdown(wait=True)
