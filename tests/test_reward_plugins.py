@@ -168,6 +168,7 @@ def test_reward_workers_run_the_plugin_with_prompt_and_metadata_and_its_timeout(
         assert w.submit("0.1", "x", "p", {}).result().metrics == {"slept": 0.1}
     with RewardWorkers(num_workers=1, function="my_rewards:exact") as w:
         assert w.submit("7", "7", "p", {"bonus": 0.5}).result() == RewardResult(1.5, {})
+        assert w("7", "7") == 1.0  # called like math_reward: the score
         with pytest.raises(RewardPluginError, match=r"raised TypeError: .* for prompt 'p2'"):
             w.submit("7", "7", "p2", {"bonus": "x"}).result()
     with RewardWorkers(num_workers=1, function="my_rewards:flexible_text") as w:

@@ -34,6 +34,7 @@ from math_verify import parse, verify
 from megatron_sat.rollout.reward_plugins import (
     RewardPluginError,
     RewardResult,
+    as_reward_result,
     load_reward_function,
     resolve_spec,
     reward_result,
@@ -271,7 +272,8 @@ class RewardWorkers:
         self._submit_into(out, task, tries + 1)
 
     def __call__(self, response: str, label: str) -> float:
-        return self.submit(response, label).result()
+        """The reward of one pair, waited for (a plug-in's score, without its metrics)."""
+        return as_reward_result(self.submit(response, label).result()).score
 
     def close(self) -> None:
         """Stop the worker processes (after the tasks already submitted)."""
@@ -289,7 +291,8 @@ class RewardWorkers:
 def _end_with_parent(parent_pid: int, function: str | None = None, poll_s: float = 1.0) -> None:
     """Worker initializer: exit once the parent is gone (PR_SET_PDEATHSIG alone did not do it
     here: it follows the parent *thread*, and one of two workers outlived a SIGKILLed parent,
-    so a daemon thread polls the parent pid), and warm math-verify up. First the thread
+    so a daemon thread polls the parent pid), and warm math-verify up (or import the reward
+    plug-in ``function`` instead). First the thread
     policy (``platform.threads``): one thread each, unless the user set ``OMP_NUM_THREADS``."""
     from megatron_sat.platform.threads import configure_threads
 
