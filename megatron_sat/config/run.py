@@ -31,6 +31,46 @@ def _positive(section: str, obj: Any, *names: str) -> None:
             raise ValueError(f"{section}.{name} must be > 0, got {getattr(obj, name)}")
 
 
+REWARDS = ("math", "python", "http")
+
+
+def _check_reward(rollout: Any) -> None:
+    """Validates the ``rollout.reward*`` fields: the chosen reward has what it needs, and no
+    field of another reward is set (it would be ignored)."""
+    if rollout.reward not in REWARDS:
+        raise ValueError(f"rollout.reward must be one of {REWARDS}, got {rollout.reward!r}")
+    needs = {"python": "reward_function", "http": "reward_url"}
+    for reward, name in needs.items():
+        value = getattr(rollout, name)
+        if rollout.reward == reward and not value:
+            raise ValueError(f"rollout.reward={reward} needs rollout.{name}")
+        if rollout.reward != reward and value is not None:
+            raise ValueError(
+                f"rollout.{name}={value!r} is used only with rollout.reward={reward}, "
+                f"not {rollout.reward}"
+            )
+    function = rollout.reward_function
+    if function is not None and (":" not in function or not function.rpartition(":")[2]):
+        raise ValueError(
+            f"rollout.reward_function must be 'module:function' or 'path.py:function', "
+            f"got {function!r}"
+        )
+    url = rollout.reward_url
+    if url is not None and not url.startswith(("http://", "https://")):
+        raise ValueError(f"rollout.reward_url must start with http:// or https://, got {url!r}")
+    if rollout.reward_api_key_env is not None and rollout.reward != "http":
+        raise ValueError("rollout.reward_api_key_env is used only with rollout.reward=http")
+    timeout = rollout.reward_timeout_s
+    if isinstance(timeout, bool) or not isinstance(timeout, int) or timeout < 1:
+        # signal.alarm in the reward workers takes whole seconds
+        raise ValueError(f"rollout.reward_timeout_s must be an int >= 1 (seconds), got {timeout!r}")
+    _positive("rollout", rollout, "reward_batch_size")
+    if rollout.reward_max_retries < 0:
+        raise ValueError(
+            f"rollout.reward_max_retries must be >= 0, got {rollout.reward_max_retries}"
+        )
+
+
 @dataclass
 class DataConfig:
     """Prompt datasets.
@@ -135,6 +175,29 @@ class RolloutConfig:
             refused while it is read, naming the server and endpoint, and retried
             (``megatron_sat.rollout.protocol``). 0 sizes each ``/generate`` reply's cap from its
             prompts, ``max_new_tokens`` and the routing shape (layers x top-k).
+        reward: the reward of every sample, training and evaluation: ``math`` (math-verify on
+            the last ``\\boxed{}`` against the label, ``rollout.rewards``), ``python`` (the
+            plug-in ``reward_function``, run in the reward worker processes,
+            ``rollout.reward_plugins``) or ``http`` (a remote scorer at ``reward_url``,
+            ``rollout.remote_reward``).
+        reward_function: ``reward=python``: ``package.module:function`` or
+            ``path/to/file.py:function`` (verl's ``custom_reward_function.path`` + ``name``,
+            slime's ``--custom-rm-path``), called as ``function(prompt, response, label,
+            metadata)`` and returning a float or a dict with a ``score`` and extra numeric
+            metrics (logged as ``reward/<name>``, the step's mean). Each call is bounded by
+            ``reward_timeout_s``.
+        reward_url: ``reward=http``: the scorer's URL (OpenRLHF's ``--remote_rm_url``); the
+            request and reply schema is ``rollout.remote_reward``'s.
+        reward_api_key_env: ``reward=http``: name of the environment variable holding the
+            scorer's API key (sent as ``Authorization: Bearer``); the key itself is never part
+            of the config. Null: no key.
+        reward_batch_size: ``reward=http``: at most this many samples per request.
+        reward_timeout_s: ``reward=python``: the limit of one plug-in call, whole seconds (a call
+            past it fails the run, naming the sample's prompt); ``reward=http``: the limit of one
+            request, seconds. ``reward=math``: math-verify's per-expression timeout stays 5 s.
+        reward_max_retries: ``reward=http``: a request that fails (connection error, timeout,
+            HTTP 5xx or 429) is sent again up to this many times, with exponential backoff from
+            1 s (capped at 30 s); then the run ends with an error naming the scorer.
     """
 
     engine: str = "sglang"
@@ -165,8 +228,16 @@ class RolloutConfig:
     pool_tokens_per_sample: int | None = None
     pool_host_memory_gib: float | None = None
     max_reply_bytes: int = 0
+    reward: str = "math"
+    reward_function: str | None = None
+    reward_url: str | None = None
+    reward_api_key_env: str | None = None
+    reward_batch_size: int = 64
+    reward_timeout_s: int = 30
+    reward_max_retries: int = 5
 
     def __post_init__(self) -> None:
+        _check_reward(self)
         if self.pool_storage not in POOL_STORAGES:
             raise ValueError(
                 f"rollout.pool_storage must be one of {POOL_STORAGES}, got {self.pool_storage!r}"

@@ -12,10 +12,15 @@ Outputs, under ``<run_dir>/eval/``: ``<name>_step<step>.jsonl`` (one row per pro
 label, per-sample rewards and responses) and ``results.jsonl`` (one row per evaluation: the
 metrics, the checkpoint, the sampling settings); the metrics also go to the run's TensorBoard
 as ``eval_<name>/<metric>`` at ``step``.
+
+Rewards are the run's ``rollout.reward``: math-verify by default, or a plug-in or remote scorer
+as in training, whose extra metrics are reported as ``reward/<name>`` (means over all samples);
+pass@k then counts a sample with a reward > 0 as correct.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -109,6 +114,21 @@ def eval_metrics(rewards: list[list[float]], ks: tuple[int, ...]) -> dict[str, f
     return out
 
 
+@contextlib.contextmanager
+def _eval_reward(cfg):
+    """The run's reward (``rollout.reward``): ``math`` scores in this process's threads, without
+    math-verify's timeouts (as this job always has); ``python`` and ``http`` as in training
+    (``rollout.reward_choice.open_reward``)."""
+    from megatron_sat.rollout.reward_choice import open_reward
+    from megatron_sat.rollout.rewards import math_reward
+
+    if cfg.rollout.reward == "math":
+        yield math_reward
+        return
+    with open_reward(cfg.rollout) as reward_fn:
+        yield reward_fn
+
+
 def run_eval(cfg, opts: EvalOptions) -> dict[str, float]:
     """Evaluate and write the results (see the module docstring). Returns the metrics.
 
@@ -122,7 +142,7 @@ def run_eval(cfg, opts: EvalOptions) -> dict[str, float]:
     from megatron_sat.checkpoint.hf_io import read_hf_tensors
     from megatron_sat.rollout.datasets import load_prompt_dataset
     from megatron_sat.rollout.pool import RolloutPool
-    from megatron_sat.rollout.rewards import math_reward
+    from megatron_sat.rollout.reward_plugins import check_finite_rewards, reward_metrics
     from megatron_sat.training.engines import rollout_clients
     from megatron_sat.weight_sync.broadcast import WeightUpdater
 
@@ -135,12 +155,12 @@ def run_eval(cfg, opts: EvalOptions) -> dict[str, float]:
     )
     records = records[: opts.num_prompts] if opts.num_prompts else records
     n = opts.num_samples
-    with rollout_clients(cfg) as clients:
+    with rollout_clients(cfg) as clients, _eval_reward(cfg) as reward_fn:
         if not cfg.rollout.server_urls:
             with WeightUpdater(clients) as updater:
                 updater.update(iter(read_hf_tensors(checkpoint).items()), str(opts.step))
         pool = RolloutPool(
-            clients, tokenizer, math_reward, routing=None, stop_token_ids=[tokenizer.eos_token_id]
+            clients, tokenizer, reward_fn, routing=None, stop_token_ids=[tokenizer.eos_token_id]
         )
         try:
             samples = pool.generate_groups(
@@ -154,8 +174,10 @@ def run_eval(cfg, opts: EvalOptions) -> dict[str, float]:
             )
         finally:
             pool.close()
+    check_finite_rewards(samples)
     groups = [samples[i * n : (i + 1) * n] for i in range(len(records))]
     metrics = eval_metrics([[s.reward for s in g] for g in groups], opts.ks)
+    metrics.update(reward_metrics(samples))  # a reward plug-in's extras, reward/<name>
     out_dir = Path(cfg.run_dir) / "eval"
     out_dir.mkdir(parents=True, exist_ok=True)
     with (out_dir / f"{name}_step{opts.step}.jsonl").open("w") as f:

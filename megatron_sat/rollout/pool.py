@@ -37,6 +37,7 @@ from megatron_sat.rollout.client import (
 )
 from megatron_sat.rollout.datasets import PromptRecord
 from megatron_sat.rollout.meter import ServerMeter
+from megatron_sat.rollout.reward_plugins import RewardResult, as_reward_result
 from megatron_sat.rollout.types import Sample
 
 RewardFn = Callable[[str, str], float]
@@ -47,15 +48,20 @@ DISPATCH = ("per_request", "per_server")
 
 
 def submit_reward(
-    reward_fn: RewardFn, executor: ThreadPoolExecutor, text: str, label: str
+    reward_fn: RewardFn, executor: ThreadPoolExecutor, text: str, record: PromptRecord
 ) -> Future:
-    """``reward_fn(text, label)`` started concurrently: through its own ``submit`` when it has
-    one (``rollout.rewards.RewardWorkers``: worker processes, math-verify's timeouts on), else
-    on ``executor``'s threads. The future resolves to the reward (float)."""
+    """``reward_fn(text, record.label)`` started concurrently: through its own ``submit`` when
+    it has one (``rollout.rewards.RewardWorkers``: worker processes, timeouts on;
+    ``rollout.remote_reward.RemoteReward``), which also gets the prompt and metadata, else on
+    ``executor``'s threads. The future resolves to the reward (a float or a
+    ``reward_plugins.RewardResult``)."""
     submit = getattr(reward_fn, "submit", None)
     if submit is not None:
-        return submit(text, label)
-    return executor.submit(reward_fn, text, label)
+        # PromptRecord.metadata comes with the dataset formats (verl's extra_info, slime's
+        # --metadata-key); a record type without it has none.
+        metadata = getattr(record, "metadata", None) or {}
+        return submit(text, record.label, record.prompt, metadata)
+    return executor.submit(reward_fn, text, record.label)
 
 
 class NoLiveServer(SGLangError):
@@ -100,7 +106,9 @@ class RolloutPool:
     Args:
         clients: one client per server; prompts are split evenly among them.
         tokenizer: encodes prompts, decodes responses (HF tokenizer).
-        reward_fn: ``reward_fn(response_text, label) -> float``.
+        reward_fn: ``reward_fn(response_text, label) -> float``, or an object whose
+            ``submit(response_text, label, prompt, metadata)`` returns a future of the reward
+            (``rollout.reward_choice.open_reward``'s); see ``pool.submit_reward``.
         routing: shape of the served model's routing; when given, routed experts are requested
             and attached to every sample (R3).
         stop_token_ids: stop tokens besides the model's eos.
@@ -255,8 +263,8 @@ class RolloutPool:
 
         def score(i: int, out: GenerateOutput, url: str) -> None:
             text = self.tokenizer.decode(out.output_ids, skip_special_tokens=True)
-            label = records[requests[i][0]].label
-            rewards[i] = submit_reward(self.reward_fn, self._reward_executor, text, label)
+            record = records[requests[i][0]]
+            rewards[i] = submit_reward(self.reward_fn, self._reward_executor, text, record)
 
         if self.dispatch == "per_request":
             results = self._generate_per_request(
@@ -439,7 +447,7 @@ class RolloutPool:
         prompt_ids: list[int],
         out: GenerateOutput,
         url: str,
-        reward: float,
+        reward: float | RewardResult,
     ) -> Sample:
         parse_weight_version(out.weight_version, url)  # refused even for an empty response
         # Per token: an engine reporting per-token versions (vLLM's spans) keeps them.
@@ -456,8 +464,9 @@ class RolloutPool:
             response_versions=versions,
             routed_experts=out.routed_experts,
             finish_reason=out.finish_reason,
-            reward=float(reward),
+            reward=as_reward_result(reward).score,
             response_text=text,
+            reward_metrics=as_reward_result(reward).metrics,
         )
 
 

@@ -31,6 +31,15 @@ from concurrent.futures.process import BrokenProcessPool
 
 from math_verify import parse, verify
 
+from megatron_sat.rollout.reward_plugins import (
+    RewardPluginError,
+    RewardResult,
+    as_reward_result,
+    load_reward_function,
+    resolve_spec,
+    reward_result,
+)
+
 BOXED_PREFIX = "\\boxed{"
 
 
@@ -147,7 +156,8 @@ def batch_rewards(
 
 
 class RewardWorkers:
-    """`math_reward` scored concurrently in worker processes, with math-verify's timeouts on.
+    """`math_reward` (or a reward plug-in) scored concurrently in worker processes, with
+    timeouts on.
 
     Each worker process runs its tasks in its main thread, where math-verify's
     ``signal.alarm`` timeouts work, so an answer whose sympy comparison does not end within
@@ -156,12 +166,20 @@ class RewardWorkers:
     and end with this process, also when it is SIGKILLed (without that a killed trainer
     left them running, seen here).
 
+    With ``function`` (``rollout.reward=python``), each worker imports that plug-in
+    (``rollout.reward_plugins``) instead, and every call is bounded by ``timeout_s`` as a whole
+    (``signal.alarm``); a call past it raises ``TimeoutError`` naming the prompt. The plug-in is
+    also loaded and checked here first, so a bad one fails before any worker starts.
+
     Args:
         num_workers: worker processes (>= 1).
-        timeout_s: math-verify's per-expression timeout, whole seconds (>= 1).
+        timeout_s: math-verify's per-expression timeout, or a plug-in call's, whole seconds (>= 1).
+        function: a plug-in spec (``module:function`` or ``path.py:function``), or None for
+            `math_reward`.
 
     Raises:
         ValueError: for a count or timeout < 1.
+        RewardPluginError: for a plug-in that cannot be imported or has the wrong signature.
 
     Use as ``reward_fn`` of the rollout pools (it is callable like `math_reward`; the pools
     call ``submit`` to overlap scoring with generation), and ``close`` it at the end.
@@ -169,13 +187,19 @@ class RewardWorkers:
 
     MAX_TRIES = 3  # scorings of one pair before a dying worker's error is raised
 
-    def __init__(self, num_workers: int = 2, timeout_s: int = 5) -> None:
+    def __init__(
+        self, num_workers: int = 2, timeout_s: int = 5, function: str | None = None
+    ) -> None:
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, int) or timeout_s < 1:
             raise ValueError(f"timeout_s must be an int >= 1 (seconds), got {timeout_s!r}")
         self.timeout_s = timeout_s
         self.num_workers = num_workers
+        self.function = None
+        if function is not None:
+            load_reward_function(function)  # its errors here, not as a broken pool
+            self.function = resolve_spec(function)
         self.restarts = 0  # pools replaced after a worker died (e.g. the OOM killer)
         self._lock = threading.Lock()
         self._executor = self._new_executor()
@@ -188,34 +212,41 @@ class RewardWorkers:
             self.num_workers,
             mp_context=multiprocessing.get_context("spawn"),
             initializer=_end_with_parent,
-            initargs=(os.getpid(),),
+            initargs=(os.getpid(), self.function),
         )
 
-    def submit(self, response: str, label: str) -> Future:
+    def submit(
+        self, response: str, label: str, prompt: str = "", metadata: dict | None = None
+    ) -> Future:
         """Start scoring one pair; the future resolves to `math_reward`'s 1.0 or 0.0 (or
-        raises its ValueError for an unparseable label).
+        raises its ValueError for an unparseable label), or to the plug-in's `RewardResult`
+        (``prompt`` and ``metadata`` are passed to the plug-in only).
 
         A worker that dies (SIGKILL, OOM) breaks a ``ProcessPoolExecutor`` for good, failing
         every pending task: the pool is then replaced and the pair scored again, up to
         ``MAX_TRIES`` times (the score is a pure function of the pair), then the error is
         raised."""
         out: Future = Future()
-        self._submit_into(out, response, label, tries=1)
+        task = (response, label, self.timeout_s)
+        if self.function is not None:
+            task = (response, label, self.timeout_s, prompt, metadata or {}, self.function)
+        self._submit_into(out, task, tries=1)
         return out
 
-    def _submit_into(self, out: Future, response: str, label: str, tries: int) -> None:
+    def _submit_into(self, out: Future, task: tuple, tries: int) -> None:
         with self._lock:
             executor = self._executor
+        job = _timed_reward if len(task) == 3 else _plugin_reward
         try:
-            inner = executor.submit(_timed_reward, response, label, self.timeout_s)
+            inner = executor.submit(job, *task)
         except BrokenProcessPool as e:
-            self._retry(out, response, label, tries, executor, e)
+            self._retry(out, task, tries, executor, e)
             return
 
         def done(f: Future) -> None:
             error = f.exception()
             if isinstance(error, BrokenProcessPool):
-                self._retry(out, response, label, tries, executor, error)
+                self._retry(out, task, tries, executor, error)
             elif error is not None:
                 out.set_exception(error)
             else:
@@ -223,7 +254,7 @@ class RewardWorkers:
 
         inner.add_done_callback(done)
 
-    def _retry(self, out, response, label, tries, broken, error) -> None:
+    def _retry(self, out, task, tries, broken, error) -> None:
         if tries >= self.MAX_TRIES:
             out.set_exception(error)
             return
@@ -238,10 +269,11 @@ class RewardWorkers:
                     file=sys.stderr,
                     flush=True,
                 )
-        self._submit_into(out, response, label, tries + 1)
+        self._submit_into(out, task, tries + 1)
 
     def __call__(self, response: str, label: str) -> float:
-        return self.submit(response, label).result()
+        """The reward of one pair, waited for (a plug-in's score, without its metrics)."""
+        return as_reward_result(self.submit(response, label).result()).score
 
     def close(self) -> None:
         """Stop the worker processes (after the tasks already submitted)."""
@@ -256,10 +288,11 @@ class RewardWorkers:
         self.close()
 
 
-def _end_with_parent(parent_pid: int, poll_s: float = 1.0) -> None:
+def _end_with_parent(parent_pid: int, function: str | None = None, poll_s: float = 1.0) -> None:
     """Worker initializer: exit once the parent is gone (PR_SET_PDEATHSIG alone did not do it
     here: it follows the parent *thread*, and one of two workers outlived a SIGKILLed parent,
-    so a daemon thread polls the parent pid), and warm math-verify up. First the thread
+    so a daemon thread polls the parent pid), and warm math-verify up (or import the reward
+    plug-in ``function`` instead). First the thread
     policy (``platform.threads``): one thread each, unless the user set ``OMP_NUM_THREADS``."""
     from megatron_sat.platform.threads import configure_threads
 
@@ -278,9 +311,48 @@ def _end_with_parent(parent_pid: int, poll_s: float = 1.0) -> None:
     # math-verify imports its grammars on first use, inside the first call's timeout: on a
     # loaded machine parsing the label "82" then timed out (seen at 1 s) and raised. Warm up
     # here, without timeouts, so the timeouts bound only the comparisons.
+    if function is not None:
+        load_reward_function(function)  # imported once per worker, here
+        return
     math_reward("\\boxed{1}", "1")
 
 
 def _timed_reward(response: str, label: str, timeout_s: int) -> float:
     """`math_reward` with timeouts, run in a worker process's main thread."""
     return math_reward(response, label, timeout_s=timeout_s)
+
+
+def _plugin_reward(
+    response: str, label: str, timeout_s: int, prompt: str, metadata: dict, function: str
+) -> RewardResult:
+    """The plug-in ``function``'s reward (loaded once per worker, by ``_end_with_parent``),
+    bounded by ``timeout_s`` with ``signal.alarm`` (a worker process's main thread).
+
+    Raises:
+        TimeoutError: naming the prompt, for a call past ``timeout_s``.
+        RewardPluginError: for a result that is not a number or a dict with a ``score``, or
+            any error the plug-in raised (its type and message kept, the prompt named).
+    """
+
+    def expire(signum, frame):
+        raise TimeoutError(
+            f"reward function {function!r} took more than {timeout_s} s "
+            f"(rollout.reward_timeout_s) for prompt {prompt[:60]!r}"
+        )
+
+    reward_fn = load_reward_function(function)  # cached in sys.modules after the first
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(timeout_s)
+    try:
+        output = reward_fn(prompt, response, label, metadata)
+    except TimeoutError:
+        raise
+    except Exception as e:  # the worker's traceback does not cross the process boundary
+        raise RewardPluginError(
+            f"reward function {function!r} raised {type(e).__name__}: {e} "
+            f"for prompt {prompt[:60]!r}"
+        ) from e
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    return reward_result(output, function, prompt)

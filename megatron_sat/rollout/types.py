@@ -28,6 +28,9 @@ class Sample:
             token has no row (SGLang's convention). None when routing was not returned.
         finish_reason: "stop", "length" or "abort" (SGLang's finish_reason type).
         reward: Scalar reward, set by the reward function after generation.
+        reward_metrics: the reward plug-in's extra metrics by name (``rollout.reward_plugins``;
+            logged as the step's mean, ``reward/<name>``); empty for ``math``. Rank 0's only:
+            not sent to the other trainer ranks.
     """
 
     index: int
@@ -43,6 +46,7 @@ class Sample:
     reward: float | None = None
     response_text: str = ""
     metadata: dict = field(default_factory=dict)
+    reward_metrics: dict[str, float] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:

@@ -58,6 +58,9 @@ from megatron_sat.rollout.fleet import PushReport, sync_servers
 from megatron_sat.rollout.meter import MeterSnapshot, ServerMeter, server_metrics
 from megatron_sat.rollout.pool import NoLiveServer, RolloutPool
 from megatron_sat.rollout.protocol import refusal_metrics
+from megatron_sat.rollout.remote_reward import RemoteReward
+from megatron_sat.rollout.reward_choice import open_reward
+from megatron_sat.rollout.reward_plugins import check_finite_rewards, reward_metrics
 from megatron_sat.rollout.rewards import RewardWorkers
 from megatron_sat.rollout.seeds import request_seed
 from megatron_sat.rollout.types import Sample, staleness
@@ -136,6 +139,7 @@ def batch_metrics(samples: list[Sample], trainer_version: int) -> dict[str, floa
         "rollout/reward": sum(s.reward for s in samples) / n,
         "rollout/response_length": sum(len(s.response_ids) for s in samples) / n,
         "rollout/truncated": sum(s.finish_reason == "length" for s in samples) / n,
+        **reward_metrics(samples),  # a reward plug-in's extra metrics, reward/<name>
     }
     if ages:
         out["rollout/staleness_mean"] = sum(ages) / len(ages)
@@ -377,9 +381,11 @@ def _lead(
     if fresh_after_crash:
         resume_step = -1  # drop every line the killed run logged
     with (
+        # rollout.reward's, concurrently, timeouts on; first, so that a plug-in that cannot
+        # be imported fails before the servers start
+        open_reward(cfg.rollout) as rewards,
         rollout_fleet(cfg) as fleet,
         RunLogger(run_dir, resume_step, _trackers(cfg, resume_step)) as logger,
-        RewardWorkers() as rewards,  # scored concurrently, math-verify's timeouts on
     ):
         lead = _Lead(cfg, trainer, tokenizer, followers, fleet, logger, rewards, eval_records)
         lead.stop = stop
@@ -431,7 +437,7 @@ class _Lead:
         followers: Followers,
         fleet,
         logger: RunLogger,
-        rewards: RewardWorkers,
+        rewards: RewardWorkers | RemoteReward,
         eval_records: list[PromptRecord],
     ) -> None:
         self.cfg, self.trainer, self.followers = cfg, trainer, followers
@@ -623,7 +629,11 @@ class _Lead:
 
     def train(self, step: int, samples: list[Sample]) -> dict[str, float]:
         """Group advantages and the distributed train step on ``samples``; the batch's and the
-        step's metrics. The trainer's version goes up by one."""
+        step's metrics. The trainer's version goes up by one.
+
+        Raises:
+            ValueError: naming the sample, for a non-finite reward (nothing is trained)."""
+        check_finite_rewards(samples)
         rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
         advantages = compute_grpo_advantages(rewards, self.cfg.rollout.group_size)
         metrics = batch_metrics(samples, self.version)

@@ -26,7 +26,9 @@ class AsyncRolloutPool(Admission, Clock, PoolState):
     Args:
         clients: one client per server.
         tokenizer: HF tokenizer (encode prompts, decode responses).
-        reward_fn: ``reward_fn(response_text, label) -> float``.
+        reward_fn: ``reward_fn(response_text, label) -> float``, or an object whose
+            ``submit(response_text, label, prompt, metadata)`` returns a future of the reward
+            (``rollout.reward_choice.open_reward``'s); see ``pool.submit_reward``.
         prompts: endless iterator of prompt records (consumed in order).
         config: staleness mode and batch shape.
         sampling: sampling parameters of every request.

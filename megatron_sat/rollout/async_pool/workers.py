@@ -15,6 +15,7 @@ from megatron_sat.rollout.client import (
     SGLangRequestError,
 )
 from megatron_sat.rollout.pool import parse_weight_version, refused_prompts, submit_reward
+from megatron_sat.rollout.reward_plugins import RewardResult, as_reward_result
 from megatron_sat.rollout.types import Sample
 
 
@@ -218,7 +219,7 @@ class Workers(PoolCore):
             self.tokenizer.decode(job.response_ids, skip_special_tokens=True) for job, _ in finished
         ]
         rewards = [
-            submit_reward(self.reward_fn, self._reward_executor, text, job.record.label)
+            submit_reward(self.reward_fn, self._reward_executor, text, job.record)
             for text, (job, _) in zip(texts, finished, strict=True)
         ]
         samples = [
@@ -239,7 +240,10 @@ class Workers(PoolCore):
             per_url[url] = per_url.get(url, 0) + len(samples)
             self._cond.notify_all()
 
-    def _to_sample(self, job: _Job, out: GenerateOutput, text: str, reward: float) -> Sample:
+    def _to_sample(
+        self, job: _Job, out: GenerateOutput, text: str, reward: float | RewardResult
+    ) -> Sample:
+        result = as_reward_result(reward)
         return Sample(
             index=-1,
             group_index=job.group,
@@ -251,6 +255,7 @@ class Workers(PoolCore):
             response_versions=list(job.versions),
             routed_experts=out.routed_experts,
             finish_reason=out.finish_reason,
-            reward=float(reward),
+            reward=result.score,
             response_text=text,
+            reward_metrics=result.metrics,
         )
