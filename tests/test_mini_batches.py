@@ -1,0 +1,223 @@
+"""Several optimizer steps per rollout batch (``training.mini_batches``): the cut, the config
+checks, the first mini-step's gradient equal to a single step's on the same samples, four
+steps with the old log-probs of the batch's start (the ratio leaves 1), None = the one-step
+path bitwise, and a resume after mini-step 2 of 4 bitwise equal to the uninterrupted run."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from test_split_invariance import TRAIN, attach_rollout_log_probs, make_samples
+
+from megatron_sat.checkpoint.run_state import load_run_checkpoint, save_run_checkpoint
+from megatron_sat.config import ParallelConfig, RunConfig, TrainConfig
+from megatron_sat.config.run import RolloutConfig, steps_per_rollout_batch
+from megatron_sat.objectives import ObjectiveConfig, compute_grpo_advantages
+from megatron_sat.training.mini_batches import (
+    RolloutBatchSteps,
+    distributed_rollout_batch,
+    mini_batch_slices,
+    rollout_batch_metrics,
+    run_optimizer_step,
+    start_rollout_batch,
+)
+from megatron_sat.training.trainer import PolicyTrainer
+
+GROUP = 4
+GRPO_OLD = {"name": "grpo", "ratio_denominator": "recomputed_old"}
+# The GSPO paper's clip radii (3e-4, 4e-4): one step of lr 1e-3 moves the ratio past them.
+GSPO_OLD = {
+    "name": "gspo",
+    "ratio_denominator": "recomputed_old",
+    "eps_low": 3e-4,
+    "eps_high": 4e-4,
+}
+
+
+def test_mini_batch_slices_are_contiguous_whole_groups():
+    assert mini_batch_slices(48, 4, 12) == [
+        slice(0, 12),
+        slice(12, 24),
+        slice(24, 36),
+        slice(36, 48),
+    ]
+    assert mini_batch_slices(8, 4, 8) == [slice(0, 8)]
+    for bad in (10, 6, 0):  # does not divide 48 / not whole groups / empty
+        with pytest.raises(ValueError, match="train.global_batch_size"):
+            mini_batch_slices(48, 4, bad)
+
+
+def test_config_checks_and_steps_per_rollout_batch():
+    rollout = RolloutConfig(prompts_per_step=12, group_size=4)
+    assert steps_per_rollout_batch(TrainConfig(), rollout) == 1
+    assert steps_per_rollout_batch(TrainConfig(global_batch_size=12), rollout) == 4
+    assert steps_per_rollout_batch(TrainConfig(global_batch_size=24, num_epochs=3), rollout) == 6
+    assert steps_per_rollout_batch(TrainConfig(num_epochs=2), rollout) == 2
+    with pytest.raises(ValueError, match="train.global_batch_size=6 must divide"):
+        RunConfig(rollout=rollout, train=TrainConfig(global_batch_size=6))
+    with pytest.raises(ValueError, match="train.num_epochs must be > 0"):
+        TrainConfig(num_epochs=0)
+
+
+def test_rollout_batch_metrics_means_and_per_step_keys():
+    out = rollout_batch_metrics([{"loss": 1.0, "topk_match_live": 0.5}, {"loss": 3.0}])
+    assert out == {
+        "loss": 2.0,
+        "topk_match_live": 0.5,  # reported by the first step only: its own value
+        "mini_step1/loss": 1.0,
+        "mini_step1/topk_match_live": 0.5,
+        "mini_step2/loss": 3.0,
+        "num_optimizer_steps": 2.0,
+    }
+
+
+@pytest.fixture(scope="module")
+def trainer(megatron_world, tiny_checkpoint, tiny_hf_config):
+    train = TrainConfig(**TRAIN)
+    return PolicyTrainer(
+        tiny_hf_config, train, ParallelConfig(), pad_token_id=0, load_from=tiny_checkpoint
+    )
+
+
+@pytest.fixture(scope="module")
+def batch(trainer, tiny_hf_config):
+    """12 groups of 4 (48 samples), on-policy (``recomputed_old`` needs age 0), log mu noisy."""
+    samples = []
+    for half in range(2):
+        part = make_samples(trainer, tiny_hf_config["vocab_size"], seed=half)
+        attach_rollout_log_probs(trainer, part, seed=half + 1)
+        for s in part:
+            s.index += 24 * half
+            s.group_index += 6 * half
+            s.response_versions = [0] * len(s.response_ids)
+        samples += part
+    rewards = torch.tensor([float((i * 7) % 5 > 1) for i in range(len(samples))])
+    advantages = compute_grpo_advantages(rewards, GROUP)
+    # One step first, so that every run checkpoint below holds Adam's states (a checkpoint
+    # without them cannot be loaded into an optimizer that has them).
+    trainer.rl_step(samples, advantages, ObjectiveConfig(name="grpo"), trainer_version=0)
+    return samples, advantages
+
+
+def run_config(objective: dict, **train) -> RunConfig:
+    return RunConfig(
+        rollout=RolloutConfig(prompts_per_step=12, group_size=GROUP, return_routed_experts=True),
+        train=TrainConfig(**TRAIN, **train),
+        objective=ObjectiveConfig(**objective),
+    )
+
+
+def params_of(trainer) -> list[torch.Tensor]:
+    return [p for _, p in trainer.model.named_parameters()]
+
+
+def flat(tensors) -> torch.Tensor:
+    return torch.cat([t.detach().reshape(-1).clone() for t in tensors])
+
+
+def save(trainer, run_dir, step, **kw):
+    return save_run_checkpoint(
+        run_dir, model=trainer.model, optimizer=trainer.optimizer, step=step, **kw
+    )
+
+
+def restore(trainer, path):
+    return load_run_checkpoint(path, model=trainer.model, optimizer=trainer.optimizer)
+
+
+@pytest.mark.parametrize("objective", [GRPO_OLD, {"name": "sat-gspo"}], ids=["grpo-old", "sat"])
+def test_first_mini_step_gradient_equals_single_step(trainer, batch, objective, tmp_path):
+    samples, advantages = batch
+    start = save(trainer, tmp_path, 1)
+    cfg = run_config(objective, global_batch_size=12)
+    pending = start_rollout_batch(trainer, samples, advantages, cfg, 0)
+    first = run_optimizer_step(trainer, pending, cfg.objective, routing_diagnostic=False)
+    mini_grad = flat(p.main_grad for p in params_of(trainer))
+    restore(trainer, start)
+    single = trainer.rl_step(
+        samples[:12], advantages[:12], cfg.objective, trainer_version=0, routing_diagnostic=False
+    )
+    single_grad = flat(p.main_grad for p in params_of(trainer))
+    assert single_grad.abs().max() > 0
+    assert torch.equal(mini_grad, single_grad)  # bitwise
+    assert first == single
+
+
+def test_four_mini_steps_reuse_the_batch_start_old_log_probs(trainer, batch, tmp_path):
+    samples, advantages = batch
+    start = save(trainer, tmp_path, 1)
+    cfg = run_config(GSPO_OLD, global_batch_size=12)
+    before = flat(params_of(trainer))
+    metrics = distributed_rollout_batch(trainer, samples, advantages, cfg, 0)
+    assert metrics["num_optimizer_steps"] == 4.0
+    steps = [
+        {k[11:]: v for k, v in metrics.items() if k.startswith(f"mini_step{j}/")} for j in "1234"
+    ]
+    assert [m["num_seqs"] for m in steps] == [11.0, 12.0, 11.0, 12.0]  # samples 5, 29: no response
+    # Step 1 divides by its own weights (ratio 1: GSPO's clip idle); steps 2..4 by the batch
+    # start's, so GSPO's narrow clip (3e-4 / 4e-4) binds.
+    assert steps[0]["clipfrac_low"] == steps[0]["clipfrac_high"] == 0.0
+    for m in steps[1:]:
+        assert m["clipfrac_low"] + m["clipfrac_high"] > 0
+    assert metrics["loss"] == pytest.approx(sum(m["loss"] for m in steps) / 4)
+    assert not torch.equal(flat(params_of(trainer)), before)
+    # Recomputing pi_old at step 2 instead (a second rollout batch of one step) gives ratio 1.
+    restore(trainer, start)
+    run_optimizer_step(
+        trainer,
+        start_rollout_batch(trainer, samples[:12], advantages[:12], cfg, 0),
+        cfg.objective,
+        False,
+    )
+    recomputed = trainer.rl_step(
+        samples[12:24], advantages[12:24], cfg.objective, trainer_version=0
+    )
+    assert recomputed["clipfrac_low"] == recomputed["clipfrac_high"] == 0.0
+
+
+def test_none_is_the_one_step_path_bitwise(trainer, batch, tmp_path):
+    samples, advantages = batch
+    start = save(trainer, tmp_path, 1)
+    cfg = run_config(GRPO_OLD)
+    via_loop = distributed_rollout_batch(trainer, samples, advantages, cfg, 0)
+    params_loop = flat(params_of(trainer))
+    restore(trainer, start)
+    direct = trainer.rl_step(samples, advantages, cfg.objective, trainer_version=0)
+    assert via_loop == direct and "num_optimizer_steps" not in via_loop
+    assert torch.equal(params_loop, flat(params_of(trainer)))
+    # One mini-batch of the whole batch through the mini-step path: the same step bitwise.
+    restore(trainer, start)
+    whole = distributed_rollout_batch(
+        trainer,
+        samples,
+        advantages,
+        dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, global_batch_size=48)),
+        0,
+    )
+    assert torch.equal(params_loop, flat(params_of(trainer)))
+    assert {k[11:]: v for k, v in whole.items() if k.startswith("mini_step1/")} == direct
+    assert {k: whole[k] for k in direct} == direct  # the means of one step: its own values
+
+
+def test_resume_after_mini_step_two_of_four_is_bitwise(trainer, batch, tmp_path):
+    samples, advantages = batch
+    cfg = run_config(GSPO_OLD, global_batch_size=12)
+    start = save(trainer, tmp_path / "start", 1)
+    pending = start_rollout_batch(trainer, samples, advantages, cfg, 0)
+    for _ in range(2):
+        run_optimizer_step(trainer, pending, cfg.objective, False)
+    middle = save(trainer, tmp_path / "run", 2, extra={"pending": pending.state_dict()})
+    while pending.done < 4:
+        run_optimizer_step(trainer, pending, cfg.objective, False)
+    uninterrupted, metrics = flat(params_of(trainer)), pending.metrics
+    restore(trainer, start)  # scramble: a different state in between
+    distributed_rollout_batch(trainer, samples, advantages, run_config(GRPO_OLD), 0)
+    state = restore(trainer, middle)
+    resumed = RolloutBatchSteps.from_state_dict(state.extra["pending"], trainer.device)
+    assert resumed.done == 2 and resumed.num_steps == 4
+    while resumed.done < 4:
+        run_optimizer_step(trainer, resumed, cfg.objective, False)
+    assert torch.equal(flat(params_of(trainer)), uninterrupted)
+    assert resumed.metrics == metrics
