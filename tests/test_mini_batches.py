@@ -221,3 +221,99 @@ def test_resume_after_mini_step_two_of_four_is_bitwise(trainer, batch, tmp_path)
         run_optimizer_step(trainer, resumed, cfg.objective, False)
     assert torch.equal(flat(params_of(trainer)), uninterrupted)
     assert resumed.metrics == metrics
+
+
+# ---------------------------------------------------------------- data parallel (torchrun)
+
+DP_OVERRIDES = [
+    "rollout.prompts_per_step=12",
+    "rollout.group_size=4",
+    "rollout.return_routed_experts=true",
+    "train.global_batch_size=12",  # 3 groups per mini-batch: DP shares of 2 and 1 groups
+    *(f"train.{k}={str(v).lower()}" for k, v in TRAIN.items()),
+    *(f"objective.{k}={v}" for k, v in GSPO_OLD.items()),
+]
+
+
+@pytest.fixture(scope="module")
+def dp_run(tmp_path_factory, batch, tiny_checkpoint, tiny_hf_config):
+    """ONE torchrun launch (2 ranks): a rollout batch of 4 mini-batches, then a 2-step RL run
+    with mini-batches (3 groups, mini-batches of 1 group: rank 1 has no samples in each)."""
+    import json
+    import pickle
+
+    from conftest import run_torchrun
+
+    from megatron_sat.rollout.arith import make_arith_splits
+
+    tmp = tmp_path_factory.mktemp("dp_mini")
+    samples, advantages = batch
+    train, test = make_arith_splits(64, 8, seed=0, max_digits=1)
+    for name, rows in (("train", train), ("test", test)):
+        (tmp / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    rl_overrides = [
+        f"init_checkpoint={tiny_checkpoint}",
+        f"run_dir={tmp / 'run'}",
+        f"data.train_path={tmp / 'train.jsonl'}",
+        f"data.eval_path={tmp / 'test.jsonl'}",
+        "data.num_eval_prompts=4",
+        "rollout.prompts_per_step=3",
+        "rollout.group_size=4",
+        "rollout.max_new_tokens=4",
+        "rollout.eval_samples_per_prompt=2",
+        "train.num_steps=2",
+        "train.eval_every=2",
+        "train.micro_batch_size=4",
+        "train.global_batch_size=4",
+        "objective.name=grpo",
+        "objective.ratio_denominator=recomputed_old",
+    ]
+    spec = {
+        "checkpoint": str(tiny_checkpoint),
+        "hf_config": tiny_hf_config,
+        "samples": samples,
+        "advantages": advantages,
+        "overrides": DP_OVERRIDES,
+        "rl_overrides": rl_overrides,
+    }
+    (tmp / "spec.pkl").write_bytes(pickle.dumps(spec))
+    run_torchrun("tests/dist/dp_mini_batches.py", str(tmp / "spec.pkl"), str(tmp), done="MB_DONE")
+    return torch.load(tmp / "result.pt", weights_only=False), tmp
+
+
+@pytest.mark.slow
+def test_data_parallel_mini_batches_equal_one_process(
+    dp_run, batch, megatron_world, tiny_checkpoint, tiny_hf_config
+):
+    # The same rollout batch from the checkpoint's weights and a fresh optimizer, one process.
+    from megatron_sat.config import load_config
+
+    results, _ = dp_run
+    samples, advantages = batch
+    cfg = load_config(None, DP_OVERRIDES)
+    fresh = PolicyTrainer(
+        tiny_hf_config, cfg.train, ParallelConfig(), pad_token_id=0, load_from=tiny_checkpoint
+    )
+    want = distributed_rollout_batch(fresh, samples, advantages, cfg, 0)
+    params = torch.cat([p.detach().reshape(-1) for p in fresh.model.parameters()])
+    got = results["metrics"]
+    assert set(got) == set(want) and want["num_optimizer_steps"] == 4.0
+    for key, value in want.items():
+        assert got[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+    torch.testing.assert_close(results["params"], params, rtol=1e-5, atol=1e-6)
+    assert sum(want[f"mini_step{j}/clipfrac_high"] for j in (2, 3, 4)) > 0
+
+
+@pytest.mark.slow
+def test_data_parallel_rl_run_logs_mini_steps(dp_run):
+    import json
+
+    _, tmp = dp_run
+    rows = [json.loads(line) for line in (tmp / "run" / "metrics.jsonl").read_text().splitlines()]
+    train_rows = [r for r in rows if "train/loss" in r]
+    assert [r["step"] for r in train_rows] == [1, 2]  # one line per rollout batch
+    for r in train_rows:
+        assert r["train/num_optimizer_steps"] == 3.0
+        steps = [r[f"train/mini_step{j}/loss"] for j in (1, 2, 3)]
+        assert r["train/loss"] == pytest.approx(sum(steps) / 3)
+    assert (tmp / "run" / "summary.json").is_file()
