@@ -6,6 +6,7 @@ path bitwise, and a resume after mini-step 2 of 4 bitwise equal to the uninterru
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import pytest
 import torch
@@ -59,6 +60,31 @@ def test_config_checks_and_steps_per_rollout_batch():
         RunConfig(rollout=rollout, train=TrainConfig(global_batch_size=6))
     with pytest.raises(ValueError, match="train.num_epochs must be > 0"):
         TrainConfig(num_epochs=0)
+
+
+def test_inert_clip_warning_only_with_one_step_per_rollout_batch(recwarn):
+    # Asynchronous GRPO with a recomputed old policy: inert with one step per batch (warned),
+    # a live clip from the second of several steps (not warned); SAT stays refused.
+    from megatron_sat.objectives import INERT_CLIP_WARNING
+
+    def config(**train):
+        return RunConfig(
+            rollout=RolloutConfig(prompts_per_step=12, group_size=4, mode="fixed_lag", lag=8),
+            train=TrainConfig(**train),
+            objective=ObjectiveConfig(**GRPO_OLD),
+        )
+
+    with pytest.warns(UserWarning, match="clip is inert"):
+        config()
+    recwarn.clear()
+    config(global_batch_size=12)
+    assert not [w for w in recwarn if INERT_CLIP_WARNING in str(w.message)]
+    with pytest.raises(ValueError, match="recomputed_old"):
+        RunConfig(
+            rollout=RolloutConfig(prompts_per_step=12, group_size=4, mode="fixed_lag", lag=8),
+            train=TrainConfig(global_batch_size=12),
+            objective=ObjectiveConfig(name="sat-gspo", ratio_denominator="recomputed_old"),
+        )
 
 
 def test_rollout_batch_metrics_means_and_per_step_keys():
@@ -175,6 +201,23 @@ def test_four_mini_steps_reuse_the_batch_start_old_log_probs(trainer, batch, tmp
         samples[12:24], advantages[12:24], cfg.objective, trainer_version=0
     )
     assert recomputed["clipfrac_low"] == recomputed["clipfrac_high"] == 0.0
+
+
+def test_stale_samples_warn_inert_only_with_one_step(trainer, batch, tmp_path, recwarn):
+    from megatron_sat.objectives import INERT_CLIP_WARNING
+
+    samples, advantages = batch
+    start = save(trainer, tmp_path, 1)
+    for gbs, warned in ((12, False), (None, True)):
+        restore(trainer, start)
+        recwarn.clear()
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            distributed_rollout_batch(
+                trainer, samples, advantages, run_config(GRPO_OLD, global_batch_size=gbs), 2
+            )  # trainer version 2: every sample 2 versions old
+            inert = [w for w in recwarn if INERT_CLIP_WARNING in str(w.message)]
+        assert bool(inert) == warned, gbs
 
 
 def test_none_is_the_one_step_path_bitwise(trainer, batch, tmp_path):

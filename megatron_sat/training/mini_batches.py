@@ -42,7 +42,11 @@ steps (slime: ``num_steps_per_rollout`` = rollout batch / ``--global-batch-size`
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import re
+import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -50,7 +54,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_sat.config import RunConfig
-from megatron_sat.objectives import ObjectiveConfig
+from megatron_sat.objectives import INERT_CLIP_WARNING, ObjectiveConfig
 from megatron_sat.rollout.types import Sample
 from megatron_sat.training import passes, step_batch
 from megatron_sat.training.pass_plan import needs_old_log_probs, plan_old_log_probs
@@ -152,6 +156,18 @@ class RolloutBatchSteps:
         )
 
 
+@contextlib.contextmanager
+def clip_not_inert(num_steps: int) -> Iterator[None]:
+    """Silence ``INERT_CLIP_WARNING`` (stale samples with a recomputed denominator: "the ratio
+    is 1, the clip inert") in a rollout batch of ``num_steps`` > 1 optimizer steps, where it
+    is untrue: pi_old is the batch's starting policy, and the ratio leaves 1 from the second
+    step on. With one step the warning stands."""
+    with warnings.catch_warnings():
+        if num_steps > 1:
+            warnings.filterwarnings("ignore", message=re.escape(INERT_CLIP_WARNING))
+        yield
+
+
 def batch_old_log_probs(
     trainer: PolicyTrainer,
     samples: list[Sample],
@@ -200,10 +216,13 @@ def start_rollout_batch(
         )
         for c in cuts
     ]
-    old = None
+    pending = RolloutBatchSteps(shares, None, cfg.train.num_epochs)
     if needs_old_log_probs(cfg.objective):
-        old = [batch_old_log_probs(trainer, s, a, cfg.objective, v) for s, a, v in shares]
-    return RolloutBatchSteps(shares, old, cfg.train.num_epochs)
+        with clip_not_inert(pending.num_steps):
+            pending.old_log_probs = [
+                batch_old_log_probs(trainer, s, a, cfg.objective, v) for s, a, v in shares
+            ]
+    return pending
 
 
 def run_optimizer_step(
@@ -223,14 +242,15 @@ def run_optimizer_step(
         raise ValueError(f"the rollout batch's {pending.num_steps} optimizer steps are done")
     j = pending.done % len(pending.shares)
     samples, advantages, version = pending.shares[j]
-    metrics = trainer.rl_step(
-        samples,
-        advantages,
-        objective,
-        trainer_version=version,
-        routing_diagnostic=routing_diagnostic and pending.done == 0,
-        old_log_probs=None if pending.old_log_probs is None else pending.old_log_probs[j],
-    )
+    with clip_not_inert(pending.num_steps):
+        metrics = trainer.rl_step(
+            samples,
+            advantages,
+            objective,
+            trainer_version=version,
+            routing_diagnostic=routing_diagnostic and pending.done == 0,
+            old_log_probs=None if pending.old_log_probs is None else pending.old_log_probs[j],
+        )
     pending.done += 1
     pending.metrics.append(metrics)
     return metrics
