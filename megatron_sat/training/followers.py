@@ -84,6 +84,7 @@ class Followers:
             dist.broadcast_object_list(message, src=0)
             command, arg = message
             if command == "step":  # arg: the step, for the diagnostic's interval
+                # One rollout batch: one optimizer step, or several (training.mini_batches)
                 interval = cfg.train.routing_diagnostic_interval
                 distributed_rollout_batch(
                     trainer,

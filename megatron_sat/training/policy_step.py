@@ -29,7 +29,9 @@ micro-batches, DP ranks, TP and EP shards, up to fp32 rounding
 - The ratio's denominator is ``objective.ratio_denominator``: the rollout engine's
   ``rollout_log_probs`` (default, SAT Eq. 1) or old log-probs recomputed here by a no-grad
   forward of the current weights before the update. The old log-probs are also computed for
-  TIS / IcePop.
+  TIS / IcePop. In a rollout batch of several optimizer steps (``training.mini_batches``) they
+  are computed once before its first step and passed in (``old_log_probs``), so no pass here
+  recomputes them; SAT's quantile is still this step's, with the current weights.
 - With ``train.use_r3`` every forward that trains or sets q replays the rollout engine's
   experts; one more no-grad forward with live routing gives the live diagnostics when
   ``routing_diagnostic`` (``train.routing_diagnostic_interval``). Without R3 that forward is
