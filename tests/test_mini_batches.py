@@ -203,6 +203,20 @@ def test_four_mini_steps_reuse_the_batch_start_old_log_probs(trainer, batch, tmp
     assert recomputed["clipfrac_low"] == recomputed["clipfrac_high"] == 0.0
 
 
+def test_two_epochs_of_two_mini_batches(trainer, batch):
+    # Epoch 2 walks the same cut again (mini-batch 1, then 2) with the batch start's old
+    # log-probs: its first step is no longer at ratio 1.
+    samples, advantages = batch
+    cfg = run_config(GSPO_OLD, global_batch_size=24, num_epochs=2)
+    metrics = distributed_rollout_batch(trainer, samples, advantages, cfg, 0)
+    assert metrics["num_optimizer_steps"] == 4.0
+    for key in ("num_seqs", "num_tokens"):
+        assert metrics[f"mini_step3/{key}"] == metrics[f"mini_step1/{key}"]
+        assert metrics[f"mini_step4/{key}"] == metrics[f"mini_step2/{key}"]
+    assert metrics["mini_step1/clipfrac_low"] == metrics["mini_step1/clipfrac_high"] == 0.0
+    assert metrics["mini_step3/clipfrac_low"] + metrics["mini_step3/clipfrac_high"] > 0
+
+
 def test_stale_samples_warn_inert_only_with_one_step(trainer, batch, tmp_path, recwarn):
     from megatron_sat.objectives import INERT_CLIP_WARNING
 
