@@ -16,6 +16,12 @@ mu-ratios only (SAT's global quantile over a split batch), plus the reference pa
 kl_coef > 0. Last line JSON: ``forward_equivalents_per_step`` (passes of the recipe's ordinary
 step, training pass included), ``no_grad_passes`` per configuration and step kind, and
 ``goal_met``.
+
+Mini-batches (issue 23, ``train.global_batch_size`` = batch / 4, ``training.mini_batches``):
+``forward_equivalents_per_rollout_batch`` counts every forward of one rollout batch of 4
+optimizer steps, in passes of the whole batch, beside the same objective as one step
+(``one_step``): with a recomputed old policy the old log-probs are one no-grad pass of the
+batch before the first step, so 4 mini-batches cost what one step costs.
 """
 
 from __future__ import annotations
@@ -36,6 +42,37 @@ CONFIGS = {
     "grpo+r3": dict(name="grpo"),
 }
 NUM_SAMPLES, MICRO_BATCH = 16, 4
+MINI_BATCH_CONFIGS = {
+    "grpo+r3 recomputed_old": dict(name="grpo", ratio_denominator="recomputed_old"),
+    "gspo+r3 recomputed_old": dict(name="gspo", ratio_denominator="recomputed_old"),
+    "sat-gspo+r3": dict(name="sat-gspo"),
+}
+
+
+def count_rollout_batch(trainer, samples, objective, global_batch_size) -> float:
+    """Forwards of one rollout batch through ``distributed_rollout_batch`` (ordinary step),
+    in passes of the whole batch (training and no-grad together)."""
+    from megatron_sat.config import RunConfig, TrainConfig
+    from megatron_sat.config.run import RolloutConfig
+    from megatron_sat.training.mini_batches import distributed_rollout_batch
+
+    cfg = RunConfig(
+        rollout=RolloutConfig(prompts_per_step=4, group_size=4, return_routed_experts=True),
+        train=TrainConfig(micro_batch_size=MICRO_BATCH, global_batch_size=global_batch_size),
+        objective=objective,
+    )
+    counts = [0]
+
+    def hook(module, args, kwargs):
+        counts[0] += 1
+
+    handle = trainer.model.module.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        advantages = torch.linspace(-1.0, 1.0, len(samples))
+        distributed_rollout_batch(trainer, samples, advantages, cfg, None, routing_diagnostic=False)
+    finally:
+        handle.remove()
+    return counts[0] / len(trainer.micro_batch_rows(samples))
 
 
 def count_passes(trainer, samples, objective, diagnostic: bool) -> tuple[float, float]:
@@ -87,8 +124,19 @@ def main() -> None:
                 train, no_grad = count_passes(trainer, samples, objective, diagnostic)
                 assert train == 1.0, (label, kind, train)
                 rows[f"{label} / {kind} step"] = no_grad
+        mini = {}
+        for label, fields in MINI_BATCH_CONFIGS.items():
+            objective = ObjectiveConfig(**fields)
+            mini[label] = {
+                "one_step": count_rollout_batch(trainer, samples, objective, None),
+                "4_mini_batches": count_rollout_batch(
+                    trainer, samples, objective, NUM_SAMPLES // 4
+                ),
+            }
     for key, value in rows.items():
         print(f"{key:40s} training pass 1 + no-grad passes {value:g}")
+    for key, value in mini.items():
+        print(f"{key:40s} passes per rollout batch: {value}")
     goal = all(
         rows[f"{label} / ordinary step"]
         <= (1 if fields["name"].startswith("sat") else 0) + (fields.get("kl_coef", 0) > 0)
@@ -101,6 +149,7 @@ def main() -> None:
                 "forward_equivalents_per_step": recipe,
                 "no_grad_passes": rows,
                 "micro_batches": NUM_SAMPLES // MICRO_BATCH,
+                "forward_equivalents_per_rollout_batch": mini,
                 "goal_met": goal,
             }
         )

@@ -378,6 +378,26 @@ class TrainConfig:
             uniform chunks of ``recompute_num_layers``), "selective" (core attention) or
             "none". R3 replays the rollout's routes in the recomputed forward too.
         recompute_num_layers: layers per recomputed chunk under "full".
+        global_batch_size: samples per optimizer step (slime's ``--global-batch-size``, verl's
+            ``ppo_mini_batch_size`` x n): the rollout batch (``rollout.prompts_per_step`` x
+            ``rollout.group_size``) is cut into contiguous mini-batches of whole GRPO groups in
+            rollout order (no shuffle, the same cut every epoch, as slime and verl do), each one
+            optimizer step (``training.mini_batches``). It must divide the rollout batch and be a
+            multiple of ``rollout.group_size``. None: the whole rollout batch, one optimizer
+            step (the trainer as before, bitwise). Old log-probs (a "recomputed_old" ratio
+            denominator, TIS, IcePop) are computed once, with the weights the rollout batch
+            started from, before its first optimizer step, and reused by every mini-step, so
+            the PPO ratio moves away from 1 after the first. SAT's quantile q is per optimizer
+            step, over that step's active tokens (SAT Eq. 14 over "the batch" the step trains
+            on; slime computes each step's statistics on the step's own data). A *policy
+            version* is one rollout batch, as slime's ``rollout_id``: the weights are pushed
+            once per rollout batch, ``response_versions``, staleness and the lag bound count
+            rollout batches, and every mini-step of a rollout batch sees the same trainer
+            version. ``train.num_steps`` counts rollout batches; a run checkpoint is written
+            between rollout batches.
+        num_epochs: passes over the rollout batch (verl's ``ppo_epochs``); each rollout batch
+            gives (rollout batch / ``global_batch_size``) x ``num_epochs`` optimizer steps (with
+            ``global_batch_size`` None, ``num_epochs`` steps on the whole batch).
         reference_on_device: keep the frozen reference policy of the k3 KL term
             (``objective.kl_coef > 0``) in device memory: one more copy of each rank's weight
             shard in the training dtype, swapped in without a copy. False: in pinned host
@@ -408,9 +428,14 @@ class TrainConfig:
     recompute_granularity: str = "none"
     recompute_num_layers: int = 1
     reference_on_device: bool = False
+    global_batch_size: int | None = None
+    num_epochs: int = 1
 
     def __post_init__(self) -> None:
         _positive("train", self, "num_steps", "micro_batch_size", "lr", "eval_every")
+        _positive("train", self, "num_epochs")
+        if self.global_batch_size is not None:
+            _positive("train", self, "global_batch_size")
         _positive("train", self, "distributed_timeout_minutes", "recompute_num_layers")
         if self.params_dtype not in (None, "bf16", "fp32"):
             raise ValueError(
@@ -485,6 +510,33 @@ class LoggingConfig:
             )
 
 
+def steps_per_rollout_batch(train: TrainConfig, rollout: RolloutConfig) -> int:
+    """Optimizer steps per rollout batch: (rollout batch / ``train.global_batch_size``) x
+    ``train.num_epochs`` (``global_batch_size`` None: the whole rollout batch)."""
+    batch = rollout.prompts_per_step * rollout.group_size
+    per_epoch = 1 if train.global_batch_size is None else batch // train.global_batch_size
+    return per_epoch * train.num_epochs
+
+
+def check_mini_batches(train: TrainConfig, rollout: RolloutConfig) -> None:
+    """Refuse a ``train.global_batch_size`` that does not cut the rollout batch into whole
+    GRPO groups.
+
+    Raises:
+        ValueError: naming ``train.global_batch_size`` and the rollout batch.
+    """
+    gbs = train.global_batch_size
+    if gbs is None:
+        return
+    batch = rollout.prompts_per_step * rollout.group_size
+    if batch % gbs or gbs % rollout.group_size:
+        raise ValueError(
+            f"train.global_batch_size={gbs} must divide the rollout batch (rollout."
+            f"prompts_per_step x group_size = {batch}) and be a multiple of rollout.group_size="
+            f"{rollout.group_size} (mini-batches of whole GRPO groups)"
+        )
+
+
 @dataclass
 class RunConfig:
     """The whole RL run.
@@ -520,6 +572,10 @@ class RunConfig:
         # DPPO and M2PO would see no staleness (refused); TIS/IcePop correct pi_old to mu (fine).
         n, mode = self.rollout.update_weights_interval, self.rollout.mode
         stale = n > 1 or mode != "sync"
+        if steps_per_rollout_batch(self.train, self.rollout) > 1:
+            # Several optimizer steps per rollout batch: pi_old is the batch's starting policy,
+            # so a plain clip on pi_j / pi_old bites from the second step on (not inert).
+            stale = stale and recomputed_old_when_stale(self.objective) == "refused"
         verdict = recomputed_old_when_stale(self.objective) if stale else "ok"
         if verdict == "inert":
             warnings.warn(INERT_CLIP_WARNING, stacklevel=2)
@@ -533,6 +589,7 @@ class RunConfig:
                 "Eq. 1), TIS (objective.tis_cap), or synchronous rollouts with "
                 "update_weights_interval=1"
             )
+        check_mini_batches(self.train, self.rollout)
         ro, la = self.rollout, self.launch
         if ro.engine == "vllm" and not ro.server_urls and la.rollout_engine != "vllm":
             raise ValueError(

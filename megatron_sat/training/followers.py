@@ -10,9 +10,10 @@ import torch
 import torch.distributed as dist
 
 from megatron_sat.config import RunConfig
+from megatron_sat.training.mini_batches import distributed_rollout_batch
 from megatron_sat.training.saving import save_if_due
 from megatron_sat.training.stage_senders import StageSender
-from megatron_sat.training.step import distributed_rl_step, routing_diagnostic_due
+from megatron_sat.training.step import routing_diagnostic_due
 from megatron_sat.training.trainer import PolicyTrainer
 
 
@@ -83,8 +84,9 @@ class Followers:
             dist.broadcast_object_list(message, src=0)
             command, arg = message
             if command == "step":  # arg: the step, for the diagnostic's interval
+                # One rollout batch: one optimizer step, or several (training.mini_batches)
                 interval = cfg.train.routing_diagnostic_interval
-                distributed_rl_step(
+                distributed_rollout_batch(
                     trainer,
                     None,
                     None,

@@ -70,7 +70,12 @@ def needs_old_log_probs(objective: ObjectiveConfig) -> bool:
 
 
 def plan_passes(
-    objective: ObjectiveConfig, *, use_r3: bool, diagnostic: bool, split_batch: bool
+    objective: ObjectiveConfig,
+    *,
+    use_r3: bool,
+    diagnostic: bool,
+    split_batch: bool,
+    old_given: bool = False,
 ) -> PassPlan:
     """The no-grad passes of one RL step (see ``PassPlan``).
 
@@ -82,12 +87,14 @@ def plan_passes(
             (SAT's quantile must then be computed before training). Identical on every rank
             of an expert group: a DP size > 1 makes it True everywhere, a DP size of 1 means
             one set of micro-batches.
+        old_given: the step's old log-probs were computed before (a mini-step of a rollout
+            batch, ``training.mini_batches``): no pass computes them.
 
     Returns:
         The plan; the same inputs give the same plan on every rank (the passes are
         collectives).
     """
-    old = needs_old_log_probs(objective)
+    old = needs_old_log_probs(objective) and not old_given
     global_q = objective.name in SAT_STALENESS and split_batch
     needed = old or global_q
     return PassPlan(
@@ -101,4 +108,20 @@ def plan_passes(
         old_log_probs=old,
         global_quantile=global_q,
         trained_routing=("replayed" if use_r3 else "live") if needed else None,
+    )
+
+
+def plan_old_log_probs(use_r3: bool) -> PassPlan:
+    """The one pass that gives old log-probs alone (the trained routing's, no metrics): what a
+    rollout batch of several optimizer steps runs once before its first step
+    (``training.mini_batches``)."""
+    return PassPlan(
+        live=not use_r3,
+        replayed=use_r3,
+        reference=False,
+        reference_replays=use_r3,
+        live_metrics=False,
+        old_log_probs=True,
+        global_quantile=False,
+        trained_routing="replayed" if use_r3 else "live",
     )

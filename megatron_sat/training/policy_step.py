@@ -29,7 +29,9 @@ micro-batches, DP ranks, TP and EP shards, up to fp32 rounding
 - The ratio's denominator is ``objective.ratio_denominator``: the rollout engine's
   ``rollout_log_probs`` (default, SAT Eq. 1) or old log-probs recomputed here by a no-grad
   forward of the current weights before the update. The old log-probs are also computed for
-  TIS / IcePop.
+  TIS / IcePop. In a rollout batch of several optimizer steps (``training.mini_batches``) they
+  are computed once before its first step and passed in (``old_log_probs``), so no pass here
+  recomputes them; SAT's quantile is still this step's, with the current weights.
 - With ``train.use_r3`` every forward that trains or sets q replays the rollout engine's
   experts; one more no-grad forward with live routing gives the live diagnostics when
   ``routing_diagnostic`` (``train.routing_diagnostic_interval``). Without R3 that forward is
@@ -61,11 +63,39 @@ from megatron_sat.objectives import (
     sat_abs_staleness,
 )
 from megatron_sat.training.loss_reduction import MetricAccumulator, global_sat_quantile
-from megatron_sat.training.pass_plan import PassPlan
-from megatron_sat.training.passes import PassOutput, PassResults
+from megatron_sat.training.pass_plan import PassPlan, plan_passes
+from megatron_sat.training.passes import PassOutput, PassResults, run_no_grad_passes
 from megatron_sat.training.staging import stage_tensor
 from megatron_sat.training.step_batch import StepBatch
 from megatron_sat.training.train_pass import LossFn
+
+
+def no_grad_passes(
+    trainer,
+    batch: StepBatch,
+    objective: ObjectiveConfig,
+    routing_diagnostic: bool,
+    old_log_probs: list[torch.Tensor | None] | None,
+) -> tuple[PassPlan, PassResults]:
+    """Plan and run the step's no-grad passes (a collective); ``old_log_probs`` (per real
+    micro-batch [B, S], computed before the rollout batch's first optimizer step,
+    ``training.mini_batches``) replace the pass that would recompute them with the current
+    weights."""
+    plan = plan_passes(
+        objective,
+        use_r3=trainer.train_config.use_r3,
+        diagnostic=routing_diagnostic,
+        split_batch=batch.is_split,
+        old_given=old_log_probs is not None,
+    )
+    results = run_no_grad_passes(trainer, batch.forwards, len(batch.mbs), plan)
+    if old_log_probs is not None:
+        if len(old_log_probs) != len(batch.mbs):
+            raise ValueError(
+                f"{len(old_log_probs)} old log-prob tensors for {len(batch.mbs)} micro-batches"
+            )
+        results.old_log_probs = list(old_log_probs)
+    return plan, results
 
 
 def sat_global_quantile(

@@ -67,6 +67,7 @@ from megatron_sat.rollout.types import Sample, staleness
 from megatron_sat.training.engines import rollout_fleet
 from megatron_sat.training.evaluate import evaluate
 from megatron_sat.training.followers import Followers
+from megatron_sat.training.mini_batches import distributed_rollout_batch
 from megatron_sat.training.run_logger import RunLogger
 from megatron_sat.training.sampling_mask_tp import replayed_sampling_mask
 from megatron_sat.training.saving import due, save_if_due
@@ -639,7 +640,7 @@ class _Lead:
         metrics = batch_metrics(samples, self.version)
         self.followers.tell("step", step)
         diagnostic = routing_diagnostic_due(self.cfg.train.routing_diagnostic_interval, step)
-        train = distributed_rl_step(
+        train = distributed_rollout_batch(
             self.trainer, samples, advantages, self.cfg, self.version, routing_diagnostic=diagnostic
         )
         self.followers.idle()

@@ -53,6 +53,31 @@ def distributed_rl_step(
     Raises:
         ValueError: a non-zero rank passed samples, or rank 0 passed none.
     """
+    share_samples, share_advantages, version = rank_share(
+        trainer, samples, advantages, cfg, trainer_version
+    )
+    return trainer.rl_step(
+        share_samples,
+        share_advantages,
+        cfg.objective,
+        trainer_version=version,
+        routing_diagnostic=routing_diagnostic,
+    )
+
+
+def rank_share(
+    trainer: PolicyTrainer,
+    samples: list[Sample] | None,
+    advantages: torch.Tensor | None,
+    cfg: RunConfig,
+    trainer_version: int | None,
+) -> tuple[list[Sample], torch.Tensor, int | None]:
+    """This rank's share of rank 0's batch: ``(samples, advantages, trainer_version)`` (a
+    collective; see ``distributed_rl_step``). Rank 0 passes the batch, the others None.
+
+    Raises:
+        ValueError: a non-zero rank passed samples, or rank 0 passed none.
+    """
     from megatron.core import parallel_state
 
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -60,23 +85,14 @@ def distributed_rl_step(
     if (samples is None) != (rank != 0):
         raise ValueError(f"rank {rank}: only rank 0 passes the batch to distributed_rl_step")
     if world == 1:
-        share = (samples, advantages, trainer_version)
-    else:
-        # Flat CPU tensors over gloo, each rank only its share (training.batch_transfer).
-        slices = None
-        if rank == 0:
-            num_dp = parallel_state.get_data_parallel_world_size()
-            slices = dp_shares(len(samples), cfg.rollout.group_size, num_dp)
-        share = distribute_batch(
-            samples, advantages, trainer_version, slices, parallel_state.get_data_parallel_rank()
-        )
-    share_samples, share_advantages, version = share
-    return trainer.rl_step(
-        share_samples,
-        share_advantages,
-        cfg.objective,
-        trainer_version=version,
-        routing_diagnostic=routing_diagnostic,
+        return samples, advantages, trainer_version
+    # Flat CPU tensors over gloo, each rank only its share (training.batch_transfer).
+    slices = None
+    if rank == 0:
+        num_dp = parallel_state.get_data_parallel_world_size()
+        slices = dp_shares(len(samples), cfg.rollout.group_size, num_dp)
+    return distribute_batch(
+        samples, advantages, trainer_version, slices, parallel_state.get_data_parallel_rank()
     )
 
 

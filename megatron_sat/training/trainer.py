@@ -36,7 +36,6 @@ from megatron_sat.training.loss_reduction import (
 )
 from megatron_sat.training.optimizer_layout import resolve_optimizer_layout
 from megatron_sat.training.packing import PackedMicroBatch
-from megatron_sat.training.pass_plan import plan_passes
 from megatron_sat.training.reference import ReferencePolicy
 from megatron_sat.training.sampling_mask_tp import SamplingMask
 from megatron_sat.training.train_pass import train_pass
@@ -267,6 +266,7 @@ class PolicyTrainer:
         *,
         trainer_version: int | None = None,
         routing_diagnostic: bool = True,
+        old_log_probs: list[torch.Tensor | None] | None = None,
     ) -> dict[str, float]:
         """One optimizer step of the policy objective on this rank's share of the batch, a
         collective over all trainer ranks, in the phases ``training.policy_step`` describes
@@ -291,11 +291,9 @@ class PolicyTrainer:
             RuntimeError: the optimizer skipped the step (non-finite gradients).
         """
         batch = step_batch.prepare_step_batch(self, samples, advantages, objective, trainer_version)
-        r3 = self.train_config.use_r3
-        plan = plan_passes(
-            objective, use_r3=r3, diagnostic=routing_diagnostic, split_batch=batch.is_split
+        plan, results = policy_step.no_grad_passes(
+            self, batch, objective, routing_diagnostic, old_log_probs
         )
-        results = passes.run_no_grad_passes(self, batch.forwards, len(batch.mbs), plan)
         quantile = None
         if self.is_last_stage:  # (log-probs exist on the last stage only)
             quantile = policy_step.sat_global_quantile(batch, objective, plan, results)
@@ -305,7 +303,14 @@ class PolicyTrainer:
         scale = self._loss_scale(batch.group)
         entropy = objective.entropy_coef > 0
         train_pass(
-            self, batch.forwards, len(batch.mbs), loss_of, acc, scale, replay=r3, entropy=entropy
+            self,
+            batch.forwards,
+            len(batch.mbs),
+            loss_of,
+            acc,
+            scale,
+            replay=self.train_config.use_r3,
+            entropy=entropy,
         )
         update_ok, grad_norm, _ = self.optimizer.step()
         if not update_ok:
