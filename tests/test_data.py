@@ -179,17 +179,22 @@ def test_loader_dapo_parquet_with_chat_template(tmp_path):
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet")
     records = load_prompt_dataset(tmp_path / "d.parquet", tokenizer=build_char_tokenizer())
     assert records == [
-        PromptRecord("Solve 2+2.", "4", 0),
-        PromptRecord("Half of 1?", "\\frac{1}{2}", 1),
+        PromptRecord("Solve 2+2.", "4", 0, _without_prompt(rows[0])),
+        PromptRecord("Half of 1?", "\\frac{1}{2}", 1, _without_prompt(rows[1])),
     ]
     with pytest.raises(ValueError, match=r"row 1 .*'prompt' is a chat message list; pass tok"):
         load_prompt_dataset(tmp_path / "d.parquet")
 
 
+def _without_prompt(row: dict) -> dict:
+    """verl's metadata: every column but the prompt."""
+    return {key: value for key, value in row.items() if key != "prompt"}
+
+
 def test_loader_explicit_keys(tmp_path):
     rows = [{"q": "1+1=", "meta": {"gt": "2"}}]
     path = _write_jsonl(tmp_path / "e.jsonl", rows)
-    assert load_prompt_dataset(path, prompt_key="q", label_key="meta.gt") == [
+    assert load_prompt_dataset(path, input_key="q", label_key="meta.gt") == [
         PromptRecord("1+1=", "2", 0)
     ]
 

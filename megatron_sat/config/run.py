@@ -73,20 +73,76 @@ def _check_reward(rollout: Any) -> None:
 
 @dataclass
 class DataConfig:
-    """Prompt datasets.
+    """Prompt datasets (``megatron_sat.rollout.datasets.load_prompt_dataset``; the keys apply
+    to both files).
 
     Attributes:
-        train_path: jsonl/parquet of training prompts (schemas: prompt/label, GSM8K, DAPO-Math).
+        train_path: jsonl/parquet of training prompts. Without keys the schema is detected from
+            the first row: verl's parquet (``prompt`` messages, ``reward_model.ground_truth``,
+            metadata = the other columns), prompt/label (with an optional ``metadata`` object),
+            or GSM8K's question/answer.
         eval_path: held-out prompts for accuracy.
         num_eval_prompts: how many held-out prompts to evaluate (first N).
+        input_key: key of the prompt (slime's ``--input-key``; verl's ``data.prompt_key``):
+            a string, or chat messages. Setting it or ``label_key`` turns detection off (the
+            other one defaults to "prompt" / "label"). None: detected.
+        label_key: key of the ground truth handed to the reward (slime's ``--label-key``); dots
+            walk into objects, e.g. "reward_model.ground_truth". None: detected.
+        metadata_key: key of each row's metadata object, handed to the reward function as
+            ``sample.metadata`` (slime's ``--metadata-key``); every row must have it. None:
+            verl rows give every column but the prompt, other rows their ``metadata`` object
+            when they have one.
+        tool_key: key of each row's tool schemas (slime's ``--tool-key``), rendered by the
+            chat template (``tools=``) and kept as ``metadata["tools"]``. None (unlike slime's
+            "tools"): no tools are read.
+        apply_chat_template: null: chat-message prompts go through the tokenizer's chat
+            template, string prompts are used as written; true: string prompts too, as one
+            user message (slime's ``--apply-chat-template``); false: never (chat messages are
+            refused).
+        apply_chat_template_kwargs: extra arguments of every chat template call (slime's
+            ``--apply-chat-template-kwargs``, verl's ``data.apply_chat_template_kwargs``), e.g.
+            ``{enable_thinking: false}`` for Qwen3.
     """
 
     train_path: str = "data/arith/train.jsonl"
     eval_path: str = "data/arith/test.jsonl"
     num_eval_prompts: int = 500
+    input_key: str | None = None
+    label_key: str | None = None
+    metadata_key: str | None = None
+    tool_key: str | None = None
+    apply_chat_template: bool | None = None
+    apply_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _positive("data", self, "num_eval_prompts")
+        for name in ("input_key", "label_key", "metadata_key", "tool_key"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise ValueError(f"data.{name} must be a non-empty string or null, got {value!r}")
+        kwargs = self.apply_chat_template_kwargs
+        if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+            raise ValueError(
+                "data.apply_chat_template_kwargs must be a mapping of argument names, got "
+                f"{kwargs!r}"
+            )
+        for reserved in ("tokenize", "add_generation_prompt", "tools"):
+            if reserved in kwargs:
+                raise ValueError(
+                    f"data.apply_chat_template_kwargs sets {reserved!r}, which the loader sets "
+                    "itself (tools come from data.tool_key)"
+                )
+
+    def loader_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments of ``load_prompt_dataset`` these fields stand for."""
+        return {
+            "input_key": self.input_key,
+            "label_key": self.label_key,
+            "metadata_key": self.metadata_key,
+            "tool_key": self.tool_key,
+            "apply_chat_template": self.apply_chat_template,
+            "apply_chat_template_kwargs": self.apply_chat_template_kwargs,
+        }
 
 
 # Holding places of the rollout pool's finished samples (``rollout.pool_storage``).

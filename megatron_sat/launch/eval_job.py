@@ -151,7 +151,7 @@ def run_eval(cfg, opts: EvalOptions) -> dict[str, float]:
     name = opts.name or Path(opts.data_path).stem
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     records = load_prompt_dataset(
-        opts.data_path, prompt_key=opts.prompt_key, label_key=opts.label_key, tokenizer=tokenizer
+        opts.data_path, input_key=opts.prompt_key, label_key=opts.label_key, tokenizer=tokenizer
     )
     records = records[: opts.num_prompts] if opts.num_prompts else records
     n = opts.num_samples

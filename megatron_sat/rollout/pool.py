@@ -16,6 +16,7 @@ a server is back.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import itertools
 import re
@@ -467,6 +468,9 @@ class RolloutPool:
             reward=as_reward_result(reward).score,
             response_text=text,
             reward_metrics=as_reward_result(reward).metrics,
+            # A copy per sample: a reward plug-in that edits its sample's metadata must not
+            # change the group's other samples or the prompt's later draws.
+            metadata=copy.deepcopy(record.metadata),
         )
 
 

@@ -216,7 +216,7 @@ def validate_run(cfg: RunConfig, world: int | None = None) -> None:
     tokenizer = AutoTokenizer.from_pretrained(cfg.init_checkpoint)
     context = hf_config.get("max_position_embeddings")
     for path in (cfg.data.train_path, cfg.data.eval_path):
-        records = load_prompt_dataset(path, tokenizer=tokenizer)
+        records = load_prompt_dataset(path, tokenizer=tokenizer, **cfg.data.loader_kwargs())
         check_prompt_lengths(
             records,
             tokenizer,
@@ -412,8 +412,9 @@ def _prompt_sources(
     cfg: RunConfig, tokenizer, state, first_step: int
 ) -> tuple[PromptStream, list[PromptRecord]]:
     """The train prompt stream at the run's data position, and the held-out prompts."""
-    train_records = load_prompt_dataset(cfg.data.train_path, tokenizer=tokenizer)
-    eval_records = load_prompt_dataset(cfg.data.eval_path, tokenizer=tokenizer)
+    keys = cfg.data.loader_kwargs()
+    train_records = load_prompt_dataset(cfg.data.train_path, tokenizer=tokenizer, **keys)
+    eval_records = load_prompt_dataset(cfg.data.eval_path, tokenizer=tokenizer, **keys)
     eval_records = eval_records[: cfg.data.num_eval_prompts]
     prompts = PromptStream(train_records, cfg.train.seed)
     # The data position on resume (older checkpoints: one batch of prompts per step).

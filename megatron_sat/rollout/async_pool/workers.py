@@ -4,6 +4,7 @@ re-issued elsewhere (see the package docstring)."""
 
 from __future__ import annotations
 
+import copy
 import threading
 
 from megatron_sat.rollout.async_pool.core import PoolCore, _Job
@@ -258,4 +259,7 @@ class Workers(PoolCore):
             reward=result.score,
             response_text=text,
             reward_metrics=result.metrics,
+            # A copy per sample: a reward plug-in that edits its sample's metadata must not
+            # change the group's other samples or the prompt's later draws.
+            metadata=copy.deepcopy(job.record.metadata),
         )
