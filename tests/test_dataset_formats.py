@@ -285,3 +285,31 @@ def test_metadata_survives_the_asynchronous_pool_and_its_checkpoint():
         holder["version"] += 1
         b.set_version(step + 1)
     b.stop()
+
+
+def test_data_config_keys_from_overrides_and_their_checks():
+    from megatron_sat.config import load_config
+
+    cfg = load_config(
+        None,
+        [
+            "data.input_key=problem",
+            "data.label_key=reward_model.ground_truth",
+            "data.apply_chat_template=true",
+            "data.apply_chat_template_kwargs={enable_thinking: false}",
+        ],
+    )
+    assert cfg.data.loader_kwargs() == {
+        "input_key": "problem",
+        "label_key": "reward_model.ground_truth",
+        "metadata_key": None,
+        "tool_key": None,
+        "apply_chat_template": True,
+        "apply_chat_template_kwargs": {"enable_thinking": False},
+    }
+    with pytest.raises(ValueError, match=r"data.metadata_key must be a non-empty string"):
+        load_config(None, ["data.metadata_key=' '"])
+    with pytest.raises(ValueError, match=r"data.apply_chat_template_kwargs sets 'tools'"):
+        load_config(None, ["data.apply_chat_template_kwargs={tools: []}"])
+    with pytest.raises(ValueError, match=r"data.apply_chat_template_kwargs must be a mapping"):
+        load_config(None, ["data.apply_chat_template_kwargs=[1]"])
