@@ -45,7 +45,8 @@ class EvalOptions:
         pass_ks: the k of pass@k, each in [1, n]; empty = powers of two up to n, and n.
         step: TensorBoard step and weight version of the evaluated policy, >= 0.
         num_prompts: evaluate the first N problems; None = all.
-        prompt_key, label_key: explicit dataset keys (see ``load_prompt_dataset``).
+        prompt_key, label_key: explicit dataset keys (see ``load_prompt_dataset``); the chat
+            template settings are the run config's (``data.apply_chat_template[_kwargs]``).
     """
 
     data_path: str
@@ -150,8 +151,15 @@ def run_eval(cfg, opts: EvalOptions) -> dict[str, float]:
     cfg = dataclasses.replace(cfg, init_checkpoint=checkpoint)
     name = opts.name or Path(opts.data_path).stem
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    # The keys are the eval file's own; the prompt is rendered as in training (same template
+    # and template arguments, e.g. enable_thinking).
     records = load_prompt_dataset(
-        opts.data_path, input_key=opts.prompt_key, label_key=opts.label_key, tokenizer=tokenizer
+        opts.data_path,
+        input_key=opts.prompt_key,
+        label_key=opts.label_key,
+        apply_chat_template=cfg.data.apply_chat_template,
+        apply_chat_template_kwargs=cfg.data.apply_chat_template_kwargs,
+        tokenizer=tokenizer,
     )
     records = records[: opts.num_prompts] if opts.num_prompts else records
     n = opts.num_samples
