@@ -47,6 +47,9 @@ EXTRAS_REQUIRE = {
     "gpu": ["transformer-engine[pytorch]>=2.6"],
     # Experiment tracking beside TensorBoard (logging.wandb_project; training/trackers.py).
     "wandb": ["wandb>=0.19"],
+    # logging.mlflow_experiment: MLflow's client only (mlflow-skinny: no server, UI or ML
+    # frameworks; about 85 MB with its dependencies beside ours).
+    "mlflow": ["mlflow-skinny>=3.1"],
 }
 
 setup(

@@ -1,6 +1,7 @@
-"""W&B tracking (``logging.wandb_project``): the offline run's own files hold every logged step
-metric and the resolved config; a resumed run continues the same W&B run; a missing ``wandb``
-or an incomplete section is refused before anything is logged."""
+"""W&B tracking (``logging.wandb_project``) and MLflow tracking (``logging.mlflow_experiment``):
+the offline run's / file store's own files hold every logged step metric and the resolved
+config; a resumed run continues the same tracked run; a missing package or an incomplete section
+is refused before anything is logged."""
 
 from __future__ import annotations
 
@@ -8,12 +9,19 @@ import math
 import sys
 import time
 
+import mlflow_files
 import pytest
 import wandb_records
 
 from megatron_sat.config import LoggingConfig, load_config
 from megatron_sat.training.run_logger import RunLogger
-from megatron_sat.training.trackers import RUN_ID_FILE, WandbTracker, make_trackers
+from megatron_sat.training.trackers import (
+    MLFLOW_RUN_ID_FILE,
+    RUN_ID_FILE,
+    MlflowTracker,
+    WandbTracker,
+    make_trackers,
+)
 
 
 @pytest.fixture
@@ -92,3 +100,69 @@ def test_missing_wandb_is_named(tmp_path, monkeypatch):
 def test_bad_logging_sections_are_refused(override, message):
     with pytest.raises(ValueError, match=message):
         load_config(overrides=[override])
+
+
+# ----------------------------------------------------------------------------- MLflow
+
+
+@pytest.fixture
+def file_store(tmp_path, monkeypatch):
+    """A local MLflow file store (MLflow 3 asks for the opt-in to its file backend)."""
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    return tmp_path / "mlruns"
+
+
+def test_mlflow_file_store_holds_the_step_metrics_and_config(tmp_path, file_store):
+    cfg = load_config(
+        overrides=[
+            "logging.mlflow_experiment=sat",
+            f"logging.mlflow_tracking_uri=file:{file_store}",
+            f"run_dir={tmp_path}",
+        ]
+    )
+    trackers = make_trackers(cfg.logging, tmp_path, cfg.to_dict(), resuming=False)
+    with RunLogger(tmp_path, trackers=trackers) as logger:
+        logger.log(1, {"train/loss": 0.25, "eval/greedy_acc": 0.5})
+        with pytest.warns(UserWarning, match=r"'eval/pass@4' is logged as 'eval/pass_4'"):
+            logger.log(2, {"train/loss": float("nan"), "eval/pass@4": 1})
+    run_id = (tmp_path / MLFLOW_RUN_ID_FILE).read_text().strip()
+    folder = mlflow_files.run_folder(file_store, run_id)
+    logged = mlflow_files.metrics(folder)
+    assert logged["eval/greedy_acc"] == [(1, 0.5)] and logged["eval/pass_4"] == [(2, 1.0)]
+    assert logged["train/loss"][0] == (1, 0.25) and math.isnan(logged["train/loss"][1][1])
+    params = mlflow_files.params(folder)
+    assert params["objective.name"] == cfg.objective.name
+    assert params["rollout.group_size"] == str(cfg.rollout.group_size)
+    assert params["logging.mlflow_experiment"] == "sat"
+    assert "status: 3" in (folder / "meta.yaml").read_text()  # RunStatus.FINISHED
+
+
+def test_mlflow_resume_continues_the_same_run(tmp_path, file_store):
+    cfg = LoggingConfig(mlflow_experiment="sat", mlflow_tracking_uri=f"file:{file_store}")
+    config = {"train": {"lr": 1e-6, "num_steps": 4}}
+    with RunLogger(tmp_path, trackers=[MlflowTracker(cfg, tmp_path, config, False)]) as log:
+        log.log(1, {"a": 1.0})
+    first = (tmp_path / MLFLOW_RUN_ID_FILE).read_text().strip()
+    resumed = {"train": {"lr": 1e-6, "num_steps": 8, "resume": True}}
+    with pytest.warns(UserWarning, match=r"differs in \['train.num_steps'\]"):
+        tracker = MlflowTracker(cfg, tmp_path, resumed, True)
+    with RunLogger(tmp_path, 1, [tracker]) as log:
+        log.log(2, {"a": 2.0})
+    assert (tmp_path / MLFLOW_RUN_ID_FILE).read_text().strip() == first
+    folder = mlflow_files.run_folder(file_store, first)
+    assert mlflow_files.metrics(folder) == {"a": [(1, 1.0), (2, 2.0)]}
+    assert mlflow_files.params(folder) == {
+        "train.lr": "1e-06",
+        "train.num_steps": "4",
+        "train.resume": "true",
+    }
+    MlflowTracker(cfg, tmp_path, {}, resuming=False).close()  # a fresh run: a new MLflow run
+    assert (tmp_path / MLFLOW_RUN_ID_FILE).read_text().strip() != first
+
+
+def test_missing_mlflow_is_named(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "mlflow", None)
+    with pytest.raises(RuntimeError, match=r"pip install -e \.\[mlflow\]"):
+        make_trackers(LoggingConfig(mlflow_experiment="sat"), tmp_path, {}, resuming=False)
+    with pytest.raises(ValueError, match="mlflow_experiment is null"):
+        load_config(overrides=["logging.mlflow_run_name=x"])

@@ -542,6 +542,16 @@ class LoggingConfig:
         wandb_run_name: the run's display name (None: the run folder's name).
         wandb_group: W&B group, e.g. one per sweep or per method (None: none).
         wandb_tags: W&B tags.
+        mlflow_experiment: MLflow experiment to log the run to (created when missing); None
+            (the default) sends nothing to MLflow. Needs the ``mlflow`` extra (``pip install -e
+            .[mlflow]``, MLflow's client only). Rank 0 logs the same step metrics as
+            ``metrics.jsonl`` (the trainer step as MLflow's step; a character MLflow's names
+            cannot hold becomes "_") and the resolved config as dotted params; a resumed run
+            continues its MLflow run (the id is kept in ``<run_dir>/mlflow_run_id``).
+        mlflow_tracking_uri: the tracking server or store, e.g. ``http://host:5000`` or
+            ``file:/path/mlruns`` (MLflow 3 wants ``MLFLOW_ALLOW_FILE_STORE=true`` for a
+            ``file:`` store); None: MLflow's own choice (``MLFLOW_TRACKING_URI``).
+        mlflow_run_name: the MLflow run's name (None: the run folder's name).
     """
 
     wandb_project: str | None = None
@@ -549,9 +559,13 @@ class LoggingConfig:
     wandb_run_name: str | None = None
     wandb_group: str | None = None
     wandb_tags: list[str] = field(default_factory=list)
+    mlflow_experiment: str | None = None
+    mlflow_tracking_uri: str | None = None
+    mlflow_run_name: str | None = None
 
     def __post_init__(self) -> None:
-        for name in ("wandb_project", "wandb_entity", "wandb_run_name", "wandb_group"):
+        names = ("wandb_project", "wandb_entity", "wandb_run_name", "wandb_group")
+        for name in names + ("mlflow_experiment", "mlflow_tracking_uri", "mlflow_run_name"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value.strip()):
                 raise ValueError(
@@ -563,6 +577,11 @@ class LoggingConfig:
             raise ValueError(
                 "logging.wandb_entity/wandb_run_name/wandb_group/wandb_tags are set but "
                 "logging.wandb_project is null: set the project to log to W&B"
+            )
+        if self.mlflow_experiment is None and (self.mlflow_tracking_uri or self.mlflow_run_name):
+            raise ValueError(
+                "logging.mlflow_tracking_uri/mlflow_run_name are set but "
+                "logging.mlflow_experiment is null: set the experiment to log to MLflow"
             )
 
 
