@@ -90,8 +90,9 @@ class DataConfig:
             walk into objects, e.g. "reward_model.ground_truth". None: detected.
         metadata_key: key of each row's metadata object, handed to the reward function as
             ``sample.metadata`` (slime's ``--metadata-key``); every row must have it. None:
-            verl rows give every column but the prompt, other rows their ``metadata`` object
-            when they have one.
+            rows detected as verl's give every column but the prompt; other rows (and any
+            row read with ``input_key``/``label_key``) their ``metadata`` object when they have
+            one, else nothing.
         tool_key: key of each row's tool schemas (slime's ``--tool-key``), rendered by the
             chat template (``tools=``) and kept as ``metadata["tools"]``. None (unlike slime's
             "tools"): no tools are read.

@@ -376,8 +376,8 @@ def load_prompt_dataset(
             "label"; dots walk into nested objects, e.g. "reward_model.ground_truth").
         label_key: Key of the label, see `input_key` (slime's ``--label-key``).
         metadata_key: Key of the metadata object (slime's ``--metadata-key``), then required in
-            every row. None: the detected schema's metadata (verl: the row but the prompt;
-            otherwise the row's "metadata" object when it has one, else empty).
+            every row. None: a detected verl row gives every column but the prompt; any other
+            row (explicit keys included) its "metadata" object when it has one, else empty.
         tool_key: Key of the row's tool schemas (slime's ``--tool-key``; a list, or a JSON
             string of one), passed to the chat template as ``tools=`` and kept as
             ``metadata["tools"]``; a row without it has no tools. None: no tools are read.
