@@ -8,7 +8,6 @@ from __future__ import annotations
 import io
 import itertools
 import json
-import random
 from pathlib import Path
 
 import numpy as np
@@ -16,10 +15,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from test_async_pool import CharTokenizer, FakeClient
 
 from megatron_sat.rollout.async_pool import AsyncPoolConfig, AsyncRolloutPool
-from megatron_sat.rollout.client import SamplingParams
+from megatron_sat.rollout.client import GenerateOutput, SamplingParams
 from megatron_sat.rollout.datasets import (
     DatasetFormatError,
     PromptRecord,
@@ -225,6 +223,33 @@ def test_metadata_parquet_can_not_hold_is_refused_naming_row_and_field(tmp_path)
 # ------------------------------------------------------------------ through the rollout pools
 
 
+class CharTokenizer:
+    def encode(self, text):
+        return [ord(c) for c in text]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(i) for i in ids if 32 <= i < 127)
+
+
+class FakeClient:
+    """A server answering two tokens at the weight version ``holder['version']``."""
+
+    def __init__(self, name, holder):
+        self.base_url = f"fake://{name}"
+        self.holder = holder
+
+    def generate(self, input_ids, sampling, routing=None):
+        output = {
+            "output_ids": [50, 51],
+            "output_token_logprobs": [-0.1, -0.2],
+            "finish_reason": "stop",
+            "weight_version": str(self.holder["version"]),
+            "routed_experts": None,
+            "completion_tokens": 2,
+        }
+        return [GenerateOutput(prompt_tokens=len(ids), **output) for ids in input_ids]
+
+
 def meta_records(start: int = 0):
     for i in itertools.count(start):
         meta = {"data_source": "t", "extra_info": {"index": i}}
@@ -233,7 +258,7 @@ def meta_records(start: int = 0):
 
 def test_metadata_reaches_every_sample_of_the_synchronous_pool():
     pool = RolloutPool(
-        [FakeClient("a", {"version": 0}, random.Random(0))],
+        [FakeClient("a", {"version": 0})],
         CharTokenizer(),
         lambda text, label: 0.0,
         routing=None,
@@ -248,9 +273,9 @@ def test_metadata_reaches_every_sample_of_the_synchronous_pool():
 
 
 def test_metadata_survives_the_asynchronous_pool_and_its_checkpoint():
-    def pool(start, seed):
+    def pool(start):
         return AsyncRolloutPool(
-            [FakeClient("a", holder, random.Random(seed))],
+            [FakeClient("a", holder)],
             CharTokenizer(),
             lambda text, label: 0.0,
             meta_records(start),
@@ -263,7 +288,7 @@ def test_metadata_survives_the_asynchronous_pool_and_its_checkpoint():
             assert s.metadata == {"data_source": "t", "extra_info": {"index": int(s.label) - 1}}
 
     holder = {"version": 0}
-    a = pool(0, 0)
+    a = pool(0)
     a.start()
     check(a.get_batch(0, timeout_s=30))
     holder["version"] = 1
@@ -277,7 +302,7 @@ def test_metadata_survives_the_asynchronous_pool_and_its_checkpoint():
     saved = [s for b in state["batches"] for g in b["groups"].values() for s in g if s]
     saved += [job["record"] for job in state["queue"]]
     assert saved and all("extra_info" in entry["metadata"] for entry in saved)
-    b = pool(state["drawn"], 1)
+    b = pool(state["drawn"])
     b.restore_state(state)
     b.start()
     for step in range(3):
