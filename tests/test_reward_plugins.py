@@ -178,22 +178,14 @@ def test_reward_workers_run_the_plugin_with_prompt_and_metadata_and_its_timeout(
 
 def test_submit_reward_passes_prompt_and_metadata_to_a_submitting_reward(plugin_dir):
     from concurrent.futures import ThreadPoolExecutor
-    from dataclasses import dataclass, field
 
     from megatron_sat.rollout.datasets import PromptRecord
     from megatron_sat.rollout.pool import submit_reward
 
-    @dataclass(frozen=True)
-    class WithMetadata:
-        prompt: str
-        label: str
-        source_index: int
-        metadata: dict = field(default_factory=dict)
-
     with ThreadPoolExecutor(1) as threads, RewardWorkers(1, function="my_rewards:exact") as w:
-        record = WithMetadata("p", "7", 0, {"bonus": 0.25})
+        record = PromptRecord("p", "7", 0, {"bonus": 0.25})
         assert submit_reward(w, threads, "7", record).result() == RewardResult(1.25, {})
-        plain = PromptRecord("p", "7", 0)  # a record without metadata: {}
+        plain = PromptRecord("p", "7", 0)  # a row without metadata: {}
         assert submit_reward(w, threads, "7", plain).result() == RewardResult(1.0, {})
         # a plain callable gets (response, label) on the threads, as before
         assert submit_reward(lambda r, label: float(r == label), threads, "7", plain).result() == 1

@@ -67,8 +67,8 @@ def test_main_job_trains_two_steps_on_the_format(
         trained.extend(samples)
         return rl_step(trainer, samples, *args, **kwargs)
 
-    rl_step = rl.distributed_rl_step
-    monkeypatch.setattr(rl, "distributed_rl_step", recording)
+    rl_step = rl.distributed_rollout_batch
+    monkeypatch.setattr(rl, "distributed_rollout_batch", recording)
     run_dir = tmp_path / "run"
     rl.run_rl(
         load_config(

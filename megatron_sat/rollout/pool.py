@@ -58,10 +58,7 @@ def submit_reward(
     ``reward_plugins.RewardResult``)."""
     submit = getattr(reward_fn, "submit", None)
     if submit is not None:
-        # PromptRecord.metadata comes with the dataset formats (verl's extra_info, slime's
-        # --metadata-key); a record type without it has none.
-        metadata = getattr(record, "metadata", None) or {}
-        return submit(text, record.label, record.prompt, metadata)
+        return submit(text, record.label, record.prompt, record.metadata)
     return executor.submit(reward_fn, text, record.label)
 
 
