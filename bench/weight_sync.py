@@ -18,7 +18,9 @@ round measures:
   no packing copy; on nccl everything is flattened).
 - ``per_tensor``: the same update with SGLang's per-tensor protocol as slime and verl use it
   (``load_format`` null: one broadcast per tensor, all enqueued then awaited, per bucket of the
-  same size; the server receives each tensor into a fresh buffer).
+  same size; since 0a79720 the embedded server receives each tensor straight into its
+  parameter where dtype and shape match, where SGLang receives into a fresh buffer: for
+  tensors of at least ``unpacked_from_bytes`` the two updates are then the same protocol).
 
 The two protocols run in alternating order. Per round: ``ratio`` = raw / ours (seconds
 inverted: throughputs), ``ratio_ceiling`` = raw / (raw + 2 copies), what a sync with one
@@ -171,7 +173,8 @@ def main() -> None:
                         times[key].append(updater.update(tensors.items(), f"{key}-{i}").seconds)
                     print(
                         f"round {i}: "
-                        + ", ".join(f"{k} {v[-1] * 1e3:.0f} ms" for k, v in times.items()),
+                        + ", ".join(f"{k} {v[-1] * 1e3:.0f} ms" for k, v in times.items())
+                        + f" (load {os.getloadavg()[0]:.1f})",
                         flush=True,
                     )
         finally:
