@@ -10,10 +10,29 @@ shorter than a header is padding. Each record is a ``wandb_internal_pb2.Record``
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 BLOCK = 32 * 1024
 HEADER = b":W&B\xe1\xbe\x00"
+
+
+def finished(path: Path, timeout_s: float = 60.0) -> Path:
+    """``path`` once its run's ``exit`` record is in it. ``run.finish()`` returns before W&B's
+    core has written everything (seen on a loaded machine: the history row arrived after the
+    test read the file).
+
+    Raises:
+        TimeoutError: no exit record after ``timeout_s``, naming the record types found.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        kinds = [r.WhichOneof("record_type") for r in records(path)] if Path(path).exists() else []
+        if "exit" in kinds:
+            return path
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path}: no exit record after {timeout_s} s; records {kinds}")
+        time.sleep(0.2)
 
 
 def records(path: Path) -> list:
