@@ -226,22 +226,8 @@ def _eval(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Parse ``argv`` and run the subcommand; returns the exit status.
-
-    Run as the program (``argv`` None: the console script, ``python -m megatron_sat.cli``),
-    it first applies ``platform.threads.configure_threads``, before anything imports torch (the
-    OpenMP runtime reads its wait policy once, at load); a user's ``OMP_NUM_THREADS`` is kept.
-    """
-    if argv is None:
-        from megatron_sat.platform.threads import configure_threads
-
-        configure_threads()
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["serve"]:
-        return _serve(argv[1:])
-    if argv[:1] == ["convert"]:
-        return _convert(argv[1:])
+def _parser() -> argparse.ArgumentParser:
+    """The subcommands and their flags (``serve`` and ``convert`` parse their own)."""
     parser = argparse.ArgumentParser(
         prog="megatron-sat",
         description=__doc__,
@@ -271,6 +257,13 @@ def main(argv: list[str] | None = None) -> int:
     la.add_argument("--out-dir", help="launch directory (default <run_dir>/launch)")
     la.add_argument("overrides", nargs="*", help="section.field=value overrides")
     la.set_defaults(func=_launch)
+    _add_eval(sub)
+    _add_plot_and_sweep(sub)
+    return parser
+
+
+def _add_eval(sub: argparse._SubParsersAction) -> None:
+    """``eval``: avg@n / pass@k of a checkpoint served by the run config's engine."""
     ev = sub.add_parser("eval", help="avg@n / pass@k on a held-out set")
     ev.add_argument("--config", help="YAML run config (servers, checkpoint, run_dir)")
     ev.add_argument("--data", help="held-out jsonl/parquet (default data.eval_path)")
@@ -288,6 +281,10 @@ def main(argv: list[str] | None = None) -> int:
     ev.add_argument("--label-key", help="dataset key of the answer (e.g. answer)")
     ev.add_argument("overrides", nargs="*", help="section.field=value overrides")
     ev.set_defaults(func=_eval)
+
+
+def _add_plot_and_sweep(sub: argparse._SubParsersAction) -> None:
+    """``plot`` (curves of runs) and ``sweep`` (a grid of runs, its report or its job array)."""
     pl = sub.add_parser("plot", help="PNG of the curves of one or more runs (metrics.jsonl)")
     pl.add_argument("run_dirs", nargs="+", help="run directories to compare")
     pl.add_argument("--out", default="runs/plot.png", help="PNG to write")
@@ -309,6 +306,25 @@ def main(argv: list[str] | None = None) -> int:
     sw.add_argument("--out", help="report: directory of table.md and the PNGs")
     sw.add_argument("--command-line", help="report: the command to quote at the table's top")
     sw.set_defaults(func=_sweep)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse ``argv`` and run the subcommand; returns the exit status.
+
+    Run as the program (``argv`` None: the console script, ``python -m megatron_sat.cli``),
+    it first applies ``platform.threads.configure_threads``, before anything imports torch (the
+    OpenMP runtime reads its wait policy once, at load); a user's ``OMP_NUM_THREADS`` is kept.
+    """
+    if argv is None:
+        from megatron_sat.platform.threads import configure_threads
+
+        configure_threads()
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:
+        return _serve(argv[1:])
+    if argv[:1] == ["convert"]:
+        return _convert(argv[1:])
+    parser = _parser()
     args = parser.parse_args(argv)
     args.argv = argv
     try:
