@@ -41,6 +41,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -128,8 +129,6 @@ def load_grid(path: str | Path, output_dir: str | Path | None = None) -> SweepGr
         ValueError: naming the key of a malformed entry, a duplicate row id, or a cell whose
             config does not validate (``load_config``'s error, prefixed with the cell).
     """
-    from megatron_sat.config import load_config
-
     path = Path(path)
     tree = yaml.safe_load(path.read_text()) or {}
     if not isinstance(tree, dict):
@@ -139,25 +138,7 @@ def load_grid(path: str | Path, output_dir: str | Path | None = None) -> SweepGr
     unknown = sorted(set(tree) - known - {"rows"})
     if unknown:
         raise ValueError(f"{path}: unknown grid key(s) {unknown}")
-    rows_raw = tree.get("rows")
-    if not isinstance(rows_raw, list) or not rows_raw:
-        raise ValueError(f"{path}: rows must be a non-empty list")
-    rows = []
-    for i, raw in enumerate(rows_raw):
-        if not isinstance(raw, dict) or not isinstance(raw.get("id"), str) or not raw["id"]:
-            raise ValueError(f"{path}: rows[{i}] needs a string id")
-        if set(raw["id"]) == {"."} or not all(c.isalnum() or c in "-_." for c in raw["id"]):
-            raise ValueError(f"{path}: rows[{i}].id {raw['id']!r} must be a plain directory name")
-        extra = sorted(set(raw) - {"id", "label", "overrides"})
-        if extra:
-            raise ValueError(f"{path}: rows[{i}] unknown key(s) {extra}")
-        overrides = _str_list(raw.get("overrides"), f"{path}: rows[{i}].overrides")
-        rows.append(SweepRow(raw["id"], str(raw.get("label", raw["id"])), overrides))
-    ids = [r.id for r in rows]
-    if len(set(ids)) != len(ids):
-        raise ValueError(
-            f"{path}: duplicate row ids {sorted({i for i in ids if ids.count(i) > 1})}"
-        )
+    rows = _grid_rows(tree.get("rows"), path)
     name = tree.get("name", path.stem)
     out = Path(output_dir if output_dir is not None else tree.get("output_dir", f"runs/{name}"))
     grid = SweepGrid(
@@ -180,7 +161,37 @@ def load_grid(path: str | Path, output_dir: str | Path | None = None) -> SweepGr
             raise ValueError(
                 f"{path}: lag_overrides entry {o!r}: only {{lag}} is substituted ({e!r})"
             ) from e
-    order = tree.get("order", "row")
+    cells = _grid_cells(grid, tree.get("order", "row"), path)
+    return SweepGrid(**{**grid.__dict__, "cells": tuple(cells)})
+
+
+def _grid_rows(rows_raw: Any, path: Path) -> list[SweepRow]:
+    """The grid file's ``rows``: ids that are plain directory names, unique."""
+    if not isinstance(rows_raw, list) or not rows_raw:
+        raise ValueError(f"{path}: rows must be a non-empty list")
+    rows = []
+    for i, raw in enumerate(rows_raw):
+        if not isinstance(raw, dict) or not isinstance(raw.get("id"), str) or not raw["id"]:
+            raise ValueError(f"{path}: rows[{i}] needs a string id")
+        if set(raw["id"]) == {"."} or not all(c.isalnum() or c in "-_." for c in raw["id"]):
+            raise ValueError(f"{path}: rows[{i}].id {raw['id']!r} must be a plain directory name")
+        extra = sorted(set(raw) - {"id", "label", "overrides"})
+        if extra:
+            raise ValueError(f"{path}: rows[{i}] unknown key(s) {extra}")
+        overrides = _str_list(raw.get("overrides"), f"{path}: rows[{i}].overrides")
+        rows.append(SweepRow(raw["id"], str(raw.get("label", raw["id"])), overrides))
+    ids = [r.id for r in rows]
+    if len(set(ids)) != len(ids):
+        raise ValueError(
+            f"{path}: duplicate row ids {sorted({i for i in ids if ids.count(i) > 1})}"
+        )
+    return rows
+
+
+def _grid_cells(grid: SweepGrid, order: Any, path: Path) -> list[SweepCell]:
+    """Every (row, lag, seed) cell in ``order``, each config validated by ``load_config``."""
+    from megatron_sat.config import load_config
+
     if order not in ("row", "seed"):
         raise ValueError(f"{path}: order must be 'row' or 'seed', got {order!r}")
     if order == "row":  # (row, lag, seed): a row's cells together
@@ -203,7 +214,7 @@ def load_grid(path: str | Path, output_dir: str | Path | None = None) -> SweepGr
         except ValueError as e:
             raise ValueError(f"{path}: cell {row.id} lag {lag} seed {seed}: {e}") from e
         cells.append(cell)
-    return SweepGrid(**{**grid.__dict__, "cells": tuple(cells)})
+    return cells
 
 
 def cell_command(grid: SweepGrid, cell: SweepCell) -> list[str]:
