@@ -24,9 +24,11 @@ the fixed count (what a device must hold), against the budget.
 Time (one process, all ranks' shares in turn, median of ``--repeats``): from the JSON bodies of
 SGLang ``/generate`` responses (``output_ids``, ``meta_info.output_token_logprobs``, base64
 ``routed_experts``; orjson-serialized as SGLang does) to micro-batches with routes:
-``routing.wire.split_routed_experts`` (the routes stay in the body's bytes, the rest parsed by
-orjson), route decoding from those bytes (``routing.payload.decode_routed_experts``: pybase64),
-``Sample`` objects (``parse_s_per_million_tokens``, goal <= 1.5), grouping, and
+the SGLang client's own reply path (``routing.wire.split_generate_reply``: the routes stay in
+the body's bytes, the rest parsed by orjson; ``SGLangClient.outputs``: the output checks, route
+decoding from those bytes with ``routing.payload.decode_routed_experts`` (pybase64) and the
+protocol guard), each token's version (``rollout.pool.token_versions``) and ``Sample`` objects as
+the pools build them (``parse_s_per_million_tokens``, goal <= 1.5), grouping, and
 ``training.batching.build_micro_batch`` (``build_s_per_million_tokens``); the sum is
 ``responses_to_micro_batches_s_per_million_tokens`` (goal <= 3.0), in seconds per million
 tokens. In the same run, today's path for the ratio: ``json.loads`` of the whole body and the
@@ -187,7 +189,7 @@ def response_bodies(prompts: np.ndarray, responses: np.ndarray, layers: int, see
     return bodies
 
 
-def _sample(i: int, p: int, ids: list[int], logprobs: list[float], version: int, routed):
+def _sample(i: int, p: int, ids: list[int], logprobs: list[float], versions: list[int], routed):
     from megatron_sat.rollout.types import Sample
 
     return Sample(
@@ -196,34 +198,48 @@ def _sample(i: int, p: int, ids: list[int], logprobs: list[float], version: int,
         prompt="",
         label="",
         prompt_ids=[1] * p,
-        response_ids=ids,
-        rollout_log_probs=logprobs,
-        response_versions=[version] * len(ids),
+        response_ids=list(ids),
+        rollout_log_probs=list(logprobs),
+        response_versions=versions,
         routed_experts=routed,
     )
 
 
-def to_samples(bodies, prompts: np.ndarray, layers: int):
-    """Parse the bodies as the client will (``routing.wire.split_routed_experts``: the routes
-    decoded from views of the body) and build ``Sample`` objects (prompt ids synthetic)."""
-    from megatron_sat.routing.payload import decode_routed_experts
-    from megatron_sat.routing.wire import split_routed_experts
+_CLIENT = []
 
+
+def bench_client():
+    """One ``SGLangClient`` (never connected) whose reply path :func:`to_samples` runs, its
+    guard told that version 3 (the bodies' ``weight_version``) was pushed, as in a run."""
+    if not _CLIENT:
+        from megatron_sat.rollout.client import SGLangClient
+
+        client = SGLangClient("http://sglang.bench")
+        client.guard.pushed_version = 3
+        _CLIENT.append(client)
+    return _CLIENT[0]
+
+
+def to_samples(bodies, prompts: np.ndarray, layers: int):
+    """Parse the bodies as the client does and build ``Sample`` objects as the pools do (prompt
+    ids synthetic): ``routing.wire.split_generate_reply`` (the routes decoded from views of
+    the body), ``SGLangClient.outputs`` (the output checks, the route decode, the protocol
+    guard) and ``rollout.pool.token_versions``."""
+    from megatron_sat.rollout.pool import token_versions
+    from megatron_sat.rollout.sampling import RoutingSpec
+    from megatron_sat.routing.wire import split_generate_reply
+
+    client = bench_client()
+    routing = RoutingSpec(num_layers=layers, top_k=TOP_K, num_experts=NUM_EXPERTS)
     samples = []
     for i, (raw, p) in enumerate(zip(bodies, prompts.tolist(), strict=True)):
-        item, payload = split_routed_experts(raw)
-        meta = item["meta_info"]
-        ids = [int(t) for t in item["output_ids"]]
-        logprobs = [float(e[0]) for e in meta["output_token_logprobs"]]
-        routed = decode_routed_experts(
-            payload,
-            num_tokens=p + len(ids) - 1,
-            num_layers=layers,
-            top_k=TOP_K,
-            num_experts=NUM_EXPERTS,
+        items, payloads = split_generate_reply(raw)
+        (out,) = client.outputs(items, payloads, [p], routing=routing)
+        del items, payloads
+        versions = token_versions(out, client.base_url)
+        samples.append(
+            _sample(i, p, out.output_ids, out.output_token_logprobs, versions, out.routed_experts)
         )
-        del payload
-        samples.append(_sample(i, p, ids, logprobs, int(meta["weight_version"]), routed))
     return samples
 
 
@@ -243,7 +259,8 @@ def to_samples_stdlib(bodies, prompts: np.ndarray, layers: int):
             top_k=TOP_K,
             num_experts=NUM_EXPERTS,
         )
-        samples.append(_sample(i, p, ids, logprobs, int(meta["weight_version"]), routed))
+        versions = [int(meta["weight_version"])] * len(ids)
+        samples.append(_sample(i, p, ids, logprobs, versions, routed))
     return samples
 
 
