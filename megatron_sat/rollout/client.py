@@ -18,6 +18,7 @@ end_weight_update()"}`` before it joins the broadcast.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from operator import itemgetter
 from typing import Any
 
 import httpx
@@ -46,6 +47,8 @@ from megatron_sat.routing.payload import decode_routed_experts
 from megatron_sat.routing.wire import split_generate_reply
 from megatron_sat.weight_sync.channel import PAUSE_MODES
 
+_FIRST, _SECOND = itemgetter(0), itemgetter(1)
+
 # The engine-neutral names (``rollout.engine``, ``rollout.sampling``) stay importable from here.
 __all__ = [
     "PAUSE_MODES",
@@ -65,12 +68,64 @@ __all__ = [
 
 def _token_ids(values: Any, where: str) -> list[int]:
     """``output_ids`` as ints; anything else (floats, bools, strings) is a malformed reply,
-    never rounded into a token id."""
+    never rounded into a token id. orjson gives exact ``int``s, so one pass over the types in C
+    (``bool`` is a type of its own) decides the common case; anything else takes the per-item
+    check."""
+    if type(values) is list and set(map(type, values)) <= {int}:
+        return values
     if not isinstance(values, list) or not all(
         isinstance(t, int) and not isinstance(t, bool) for t in values
     ):
         raise SGLangError(f"{where}: output_ids must be a list of integers: {values!r:.120}")
     return values
+
+
+def _entry_logprobs(entries: list[Any], output_ids: list[int], where: str) -> list[float]:
+    """The log-probs of SGLang's ``output_token_logprobs`` entries ``[logprob, token_id, text]``
+    (``srt/managers/tokenizer_manager.py`` ``detokenize_logprob_tokens``; text is null unless
+    ``return_text_in_logprobs``), each entry's token checked against ``output_ids``.
+
+    The common case is decided column-wise in C: the first two columns cut with ``map`` (the
+    log-probs through ``float`` as the loop converts them), the tokens compared with
+    ``output_ids`` as lists and their types checked (``bool`` is a type of its own). Anything
+    else (an entry too short or not a list, a conversion that fails, a token that differs or
+    is not an ``int``) goes to :func:`_entry_logprobs_per_item`, the per-entry loop, so what is
+    accepted and every message (naming the first bad entry) are the loop's.
+
+    Raises:
+        SGLangError: naming the first entry that is not ``[logprob, token_id, ...]`` or whose
+            token is not ``output_ids``' at its position.
+    """
+    if type(entries) is list:
+        try:
+            logprobs = list(map(float, map(_FIRST, entries)))
+            tokens = list(map(_SECOND, entries))
+        except (TypeError, ValueError, IndexError, KeyError):
+            pass
+        else:
+            if tokens == output_ids and set(map(type, tokens)) <= {int}:
+                return logprobs
+    return _entry_logprobs_per_item(entries, output_ids, where)
+
+
+def _entry_logprobs_per_item(entries: Any, output_ids: list[int], where: str) -> list[float]:
+    """:func:`_entry_logprobs` one entry at a time (the reference; names the first bad one)."""
+    logprobs: list[float] = []
+    for pos, (entry, token) in enumerate(zip(entries, output_ids, strict=True)):
+        try:
+            logprob, entry_token = float(entry[0]), entry[1]
+        except (TypeError, ValueError, IndexError, KeyError) as e:
+            raise SGLangError(
+                f"{where}: output_token_logprobs[{pos}] = {entry!r:.80} is not "
+                f"[logprob, token_id, ...] ({e})"
+            ) from e
+        if entry_token != token or isinstance(entry_token, bool):
+            raise SGLangError(
+                f"{where}: output_token_logprobs[{pos}] is for token {entry_token!r}, "
+                f"output_ids[{pos}] is {token}"
+            )
+        logprobs.append(logprob)
+    return logprobs
 
 
 class SGLangClient(HTTPClient):
@@ -164,15 +219,45 @@ class SGLangClient(HTTPClient):
                 error=self.error,
                 parse=split_generate_reply,
             )
-        if len(items) != len(batch):
-            raise SGLangError(f"{self.base_url}/generate: {len(items)} outputs for {len(batch)}")
+        return self.outputs(
+            items,
+            payloads,
+            [len(p) for p in batch],
+            routing=routing,
+            routed_experts_start_len=routed_experts_start_len,
+            return_logprob=return_logprob,
+        )
+
+    def outputs(
+        self,
+        items: list[dict[str, Any]],
+        payloads: list[memoryview | None],
+        prompt_lens: Sequence[int],
+        *,
+        routing: RoutingSpec | None = None,
+        routed_experts_start_len: int = 0,
+        return_logprob: bool = True,
+    ) -> list[GenerateOutput]:
+        """The checked outputs of a ``/generate`` reply already split by
+        ``routing.wire.split_generate_reply`` (``items``, ``payloads``), one per prompt of
+        ``prompt_lens`` tokens: what :meth:`generate` returns after the HTTP call (and what
+        bench/data_path.py times as the parse). Arguments as :meth:`generate`.
+
+        Raises:
+            SGLangError: as :meth:`generate`, for a reply of another length than the batch or
+                a malformed output; ``ProtocolViolation`` from the guard's checks.
+        """
+        if len(items) != len(prompt_lens):
+            raise SGLangError(
+                f"{self.base_url}/generate: {len(items)} outputs for {len(prompt_lens)}"
+            )
         return [
             self.guard.check_output(
                 self._parse_output(
-                    item, payload, len(prompt), routing, routed_experts_start_len, return_logprob
+                    item, payload, prompt_len, routing, routed_experts_start_len, return_logprob
                 )
             )
-            for item, payload, prompt in zip(items, payloads, batch, strict=True)
+            for item, payload, prompt_len in zip(items, payloads, prompt_lens, strict=True)
         ]
 
     def _parse_output(
@@ -203,20 +288,7 @@ class SGLangClient(HTTPClient):
                     f"{where}: output_token_logprobs has {count} entries for "
                     f"{len(output_ids)} output tokens"
                 )
-            for pos, (entry, token) in enumerate(zip(entries, output_ids, strict=True)):
-                try:
-                    logprob, entry_token = float(entry[0]), entry[1]
-                except (TypeError, ValueError, IndexError, KeyError) as e:
-                    raise SGLangError(
-                        f"{where}: output_token_logprobs[{pos}] = {entry!r:.80} is not "
-                        f"[logprob, token_id, ...] ({e})"
-                    ) from e
-                if entry_token != token or isinstance(entry_token, bool):
-                    raise SGLangError(
-                        f"{where}: output_token_logprobs[{pos}] is for token {entry_token!r}, "
-                        f"output_ids[{pos}] is {token}"
-                    )
-                logprobs.append(logprob)
+            logprobs = _entry_logprobs(entries, output_ids, where)
         routed = None
         # A request aborted before it ran has no routing; the caller retries it anyway.
         if routing is not None and not (payload is None and finish["type"] == "abort"):

@@ -98,6 +98,24 @@ def parse_weight_version(version: str, server: str) -> int:
         ) from None
 
 
+def token_versions(out: GenerateOutput, server: str) -> list[int]:
+    """The integer policy version of each output token of ``out`` (``GenerateOutput``'s
+    ``token_versions``, each parsed by :func:`parse_weight_version`): each distinct version
+    string parsed once, in order of first appearance (so the first bad one is named, as a
+    per-token parse would name it), then looked up per token. The request's
+    ``weight_version`` is parsed too, even for an output without tokens.
+
+    Raises:
+        ValueError: as :func:`parse_weight_version`, or from ``token_versions``.
+    """
+    parse_weight_version(out.weight_version, server)
+    versions = out.token_versions()
+    number = {v: parse_weight_version(v, server) for v in dict.fromkeys(versions)}
+    if len(number) == 1:
+        return [next(iter(number.values()))] * len(versions)
+    return [number[v] for v in versions]
+
+
 class RolloutPool:
     """Generates G samples per prompt on a set of SGLang-compatible servers and scores them.
 
@@ -447,9 +465,8 @@ class RolloutPool:
         url: str,
         reward: float | RewardResult,
     ) -> Sample:
-        parse_weight_version(out.weight_version, url)  # refused even for an empty response
         # Per token: an engine reporting per-token versions (vLLM's spans) keeps them.
-        versions = [parse_weight_version(v, url) for v in out.token_versions()]
+        versions = token_versions(out, url)  # refused even for an empty response
         text = self.tokenizer.decode(out.output_ids, skip_special_tokens=True)
         return Sample(
             index=next(self._next_index),

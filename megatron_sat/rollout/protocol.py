@@ -227,7 +227,17 @@ class ReplyGuard:
             ProtocolViolation: naming the server, the endpoint, the token position and value.
         """
         where = f"{self.where}{endpoint}"
-        for pos, value in enumerate(out.output_token_logprobs):
+        if not _logprobs_pass(out.output_token_logprobs):
+            self._name_bad_logprob(where, out.output_token_logprobs)
+        if self.pushed_version is not None:
+            versions = [out.weight_version, *(out.output_token_versions or ())]
+            for version in dict.fromkeys(versions):
+                self._check_version(where, version)
+        return out
+
+    def _name_bad_logprob(self, where: str, logprobs: Sequence[float]) -> None:
+        """The per-token check of :meth:`check_output`: raise for the first bad log-prob."""
+        for pos, value in enumerate(logprobs):
             if not math.isfinite(value):
                 raise self._violation(
                     f"{where}: output_token_logprobs[{pos}] = {value} is not finite",
@@ -238,11 +248,6 @@ class ReplyGuard:
                     f"{where}: output_token_logprobs[{pos}] = {value} > 0: not a log-probability",
                     "positive_logprob",
                 )
-        if self.pushed_version is not None:
-            versions = [out.weight_version, *(out.output_token_versions or ())]
-            for version in dict.fromkeys(versions):
-                self._check_version(where, version)
-        return out
 
     def _check_version(self, where: str, version: str) -> None:
         try:
@@ -259,6 +264,14 @@ class ReplyGuard:
                 f"{self.pushed_version})",
                 "future_version",
             )
+
+
+def _logprobs_pass(logprobs: Sequence[float]) -> bool:
+    """True when every log-prob is finite and at most ``LOGPROB_TOLERANCE``: two passes in C
+    (``math.isfinite`` mapped, then ``max``) where the per-token loop took one Python
+    iteration per token. False (or a ``TypeError`` from a value that is not a number, as the
+    loop raises) sends the caller to the loop, which names the first bad value."""
+    return all(map(math.isfinite, logprobs)) and max(logprobs, default=0.0) <= LOGPROB_TOLERANCE
 
 
 def guard_clients(clients: Sequence[Any], version: int, max_reply_bytes: int) -> None:

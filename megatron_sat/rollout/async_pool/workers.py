@@ -15,7 +15,7 @@ from megatron_sat.rollout.client import (
     SGLangError,
     SGLangRequestError,
 )
-from megatron_sat.rollout.pool import parse_weight_version, refused_prompts, submit_reward
+from megatron_sat.rollout.pool import refused_prompts, submit_reward, token_versions
 from megatron_sat.rollout.reward_plugins import RewardResult, as_reward_result
 from megatron_sat.rollout.types import Sample
 
@@ -175,9 +175,9 @@ class Workers(PoolCore):
         requeue: list[_Job] = []
         try:
             for job, out in zip(jobs, outputs, strict=True):
-                parse_weight_version(out.weight_version, url)  # even for an empty output
-                # Per token: an engine reporting per-token versions (vLLM's spans) keeps them.
-                versions = [parse_weight_version(v, url) for v in out.token_versions()]
+                # Per token: an engine reporting per-token versions (vLLM's spans) keeps them;
+                # the request's version is checked even for an empty output.
+                versions = token_versions(out, url)
                 # The end of a round (logical clock): the full budget came back, cut by the
                 # round's length, not the sample's; it continues in a later round.
                 cut = (
