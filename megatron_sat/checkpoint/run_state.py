@@ -9,6 +9,10 @@ A run checkpoint ``<run_dir>/checkpoints/step_<00000012>/`` holds
 - ``state.pt``: the run state of rank 0 (step, weight version, data position, rollout pool
   state, anything else the caller passes: plain data, tensors, numeric numpy arrays), written
   as plain data and tensors (:mod:`megatron_sat.checkpoint.safe_files`);
+- ``pending_batch/rank_<r>.pt`` (only in ``step_N_mini_j``, written by a stop in the middle
+  of rollout batch N + 1 after its j-th optimizer step): each rank's share of the pending
+  rollout batch (samples, advantages, old log-probs, steps done: ``RunState.pending_batch``),
+  plain data, loaded at the saving world size only;
 - ``meta.json``: step, weight version, world size, parallel layout and ``"format": 2``;
 - ``manifest.json``: every other file with its size and SHA-256
   (:mod:`megatron_sat.checkpoint.manifest`), hashed by the rank that wrote it.

@@ -1,0 +1,97 @@
+"""A stop in the middle of a rollout batch of several optimizer steps (``train.global_batch_size``
+= rollout batch / 4): SIGUSR1 after optimizer step 2 of rollout batch 2 writes a run
+checkpoint ``step_1_mini_2`` holding the pending batch, exits 0, and the resumed run finishes
+that batch's last two steps and ends with the uninterrupted run's weights and metrics, bit for
+bit."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import make_tiny_checkpoint
+from safetensors.torch import load_file
+
+from megatron_sat.rollout.arith import make_arith_splits
+
+NUM_STEPS = 3
+TIMING = ("time/", "per_s", "utilisation", "/requests")
+
+
+def _cmd(run_dir: Path, data: Path, checkpoint: Path) -> list[str]:
+    return [
+        sys.executable, "-m", "megatron_sat.cli", "train",
+        f"init_checkpoint={checkpoint}", f"run_dir={run_dir}",
+        f"data.train_path={data / 'train.jsonl'}", f"data.eval_path={data / 'test.jsonl'}",
+        "data.num_eval_prompts=4", "rollout.prompts_per_step=4", "rollout.group_size=4",
+        "rollout.max_new_tokens=4", "rollout.eval_samples_per_prompt=2", "train.seed=5",
+        f"train.num_steps={NUM_STEPS}", "train.save_every=100", "train.eval_every=2",
+        "train.micro_batch_size=16", "train.global_batch_size=4", "train.lr=1e-3",
+        "objective.ratio_denominator=recomputed_old", "train.resume=true",
+    ]  # fmt: skip
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if not any(t in k for t in TIMING)} for r in rows]
+
+
+def _weights(run_dir: Path) -> dict:
+    out = {}
+    for path in sorted((run_dir / "checkpoint").glob("*.safetensors")):
+        out.update(load_file(path))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="POSIX signals")
+def test_stop_after_mini_step_2_resumes_to_the_same_weights_and_metrics(tmp_path):
+    checkpoint = make_tiny_checkpoint(tmp_path / "init", seed=2)
+    data = tmp_path / "data"
+    data.mkdir()
+    train, test = make_arith_splits(16, 4, seed=0, max_digits=1)
+    for name, rows in (("train", train), ("test", test)):
+        (data / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
+    env.pop("MEGATRON_SAT_STOP_AT", None)
+    straight = subprocess.run(
+        _cmd(tmp_path / "a", data, checkpoint), env=env, capture_output=True, text=True
+    )
+    assert straight.returncode == 0, straight.stderr[-3000:]
+
+    run_b = tmp_path / "b"
+    stopped = subprocess.run(
+        _cmd(run_b, data, checkpoint),
+        env={**env, "MEGATRON_SAT_STOP_AT": "2:2"},
+        capture_output=True,
+        text=True,
+    )
+    assert stopped.returncode == 0, stopped.stderr[-3000:]
+    assert "stopped by SIGUSR1 after step 1 and optimizer step 2 of step 2" in stopped.stderr
+    saved = sorted(p.name for p in (run_b / "checkpoints").glob("step_*"))
+    assert saved == ["step_00000001_mini_0002"]
+    ckpt = run_b / "checkpoints" / saved[0]
+    assert sorted(p.name for p in (ckpt / "pending_batch").iterdir()) == ["rank_00000.pt"]
+    assert (
+        "pending_batch/rank_00000.pt" in json.loads((ckpt / "manifest.json").read_text())["files"]
+    )
+    assert [r["step"] for r in _metrics(run_b)] == [0, 1]  # batch 2 is logged when it ends
+    assert not (run_b / "checkpoint").exists()
+
+    resumed = subprocess.run(_cmd(run_b, data, checkpoint), env=env, capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    rows_a, rows_b = _metrics(tmp_path / "a"), _metrics(run_b)
+    assert [r["step"] for r in rows_b] == list(range(NUM_STEPS + 1))
+    assert rows_b[2]["train/num_optimizer_steps"] == 4.0
+    assert rows_b == rows_a
+    weights_a, weights_b = _weights(tmp_path / "a"), _weights(run_b)
+    assert weights_a.keys() == weights_b.keys() and weights_a
+    for name, tensor in weights_a.items():
+        assert (
+            tensor.view(-1).view(torch.uint8).equal(weights_b[name].view(-1).view(torch.uint8))
+        ), name
