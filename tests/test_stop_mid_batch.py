@@ -23,16 +23,35 @@ NUM_STEPS = 3
 TIMING = ("time/", "per_s", "utilisation", "/requests")
 
 
-def _cmd(run_dir: Path, data: Path, checkpoint: Path) -> list[str]:
+# The tiny random model never writes a boxed answer (math rewards all 0, advantages 0): a reward
+# that varies within each group, and an entropy term, give every optimizer step a gradient.
+REWARD = "def reward(prompt, response, label, metadata):\n    return float(len(response) % 2)\n"
+
+
+# nproc: (launcher, the rollout batch and its mini-batches). Two ranks: DP2, every mini-batch
+# of two groups shared one group per rank, so each rank saves a pending batch of its own.
+LAYOUTS = {
+    1: ([sys.executable], ["rollout.prompts_per_step=4", "train.global_batch_size=4"]),
+    2: (
+        [str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc_per_node=2"],
+        ["rollout.prompts_per_step=8", "train.global_batch_size=8"],
+    ),
+}
+
+
+def _cmd(run_dir: Path, data: Path, checkpoint: Path, nproc: int) -> list[str]:
+    launcher, batch = LAYOUTS[nproc]
     return [
-        sys.executable, "-m", "megatron_sat.cli", "train",
+        *launcher, "-m", "megatron_sat.cli", "train", *batch,
         f"init_checkpoint={checkpoint}", f"run_dir={run_dir}",
         f"data.train_path={data / 'train.jsonl'}", f"data.eval_path={data / 'test.jsonl'}",
-        "data.num_eval_prompts=4", "rollout.prompts_per_step=4", "rollout.group_size=4",
+        "data.num_eval_prompts=4", "rollout.group_size=4",
         "rollout.max_new_tokens=4", "rollout.eval_samples_per_prompt=2", "train.seed=5",
         f"train.num_steps={NUM_STEPS}", "train.save_every=100", "train.eval_every=2",
-        "train.micro_batch_size=16", "train.global_batch_size=4", "train.lr=1e-3",
-        "objective.ratio_denominator=recomputed_old", "train.resume=true",
+        "train.micro_batch_size=16", "train.lr=1e-3",
+        "objective.ratio_denominator=recomputed_old", "objective.entropy_coef=0.01",
+        "rollout.reward=python", f"rollout.reward_function={data / 'reward.py'}:reward",
+        "train.resume=true",
     ]  # fmt: skip
 
 
@@ -50,23 +69,26 @@ def _weights(run_dir: Path) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="POSIX signals")
-def test_stop_after_mini_step_2_resumes_to_the_same_weights_and_metrics(tmp_path):
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_stop_after_mini_step_2_resumes_to_the_same_weights_and_metrics(tmp_path, nproc):
     checkpoint = make_tiny_checkpoint(tmp_path / "init", seed=2)
     data = tmp_path / "data"
     data.mkdir()
     train, test = make_arith_splits(16, 4, seed=0, max_digits=1)
     for name, rows in (("train", train), ("test", test)):
         (data / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (data / "reward.py").write_text(REWARD)
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
     env.pop("MEGATRON_SAT_STOP_AT", None)
     straight = subprocess.run(
-        _cmd(tmp_path / "a", data, checkpoint), env=env, capture_output=True, text=True
+        _cmd(tmp_path / "a", data, checkpoint, nproc), env=env, capture_output=True, text=True
     )
     assert straight.returncode == 0, straight.stderr[-3000:]
 
     run_b = tmp_path / "b"
     stopped = subprocess.run(
-        _cmd(run_b, data, checkpoint),
+        _cmd(run_b, data, checkpoint, nproc),
         env={**env, "MEGATRON_SAT_STOP_AT": "2:2"},
         capture_output=True,
         text=True,
@@ -76,21 +98,28 @@ def test_stop_after_mini_step_2_resumes_to_the_same_weights_and_metrics(tmp_path
     saved = sorted(p.name for p in (run_b / "checkpoints").glob("step_*"))
     assert saved == ["step_00000001_mini_0002"]
     ckpt = run_b / "checkpoints" / saved[0]
-    assert sorted(p.name for p in (ckpt / "pending_batch").iterdir()) == ["rank_00000.pt"]
-    assert (
-        "pending_batch/rank_00000.pt" in json.loads((ckpt / "manifest.json").read_text())["files"]
-    )
+    ranks = [f"rank_{r:05d}.pt" for r in range(nproc)]
+    assert sorted(p.name for p in (ckpt / "pending_batch").iterdir()) == ranks
+    listed = json.loads((ckpt / "manifest.json").read_text())["files"]
+    assert all(f"pending_batch/{name}" in listed for name in ranks)
     assert [r["step"] for r in _metrics(run_b)] == [0, 1]  # batch 2 is logged when it ends
     assert not (run_b / "checkpoint").exists()
 
-    resumed = subprocess.run(_cmd(run_b, data, checkpoint), env=env, capture_output=True, text=True)
+    resumed = subprocess.run(
+        _cmd(run_b, data, checkpoint, nproc), env=env, capture_output=True, text=True
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     rows_a, rows_b = _metrics(tmp_path / "a"), _metrics(run_b)
     assert [r["step"] for r in rows_b] == list(range(NUM_STEPS + 1))
     assert rows_b[2]["train/num_optimizer_steps"] == 4.0
+    assert all(rows_a[2][f"train/mini_step{j}/grad_norm"] > 0 for j in (1, 2, 3, 4))
     assert rows_b == rows_a
     weights_a, weights_b = _weights(tmp_path / "a"), _weights(run_b)
     assert weights_a.keys() == weights_b.keys() and weights_a
+    initial = {}
+    for path in sorted(checkpoint.glob("*.safetensors")):
+        initial.update(load_file(path))
+    assert any(not t.equal(initial[n]) for n, t in weights_a.items() if n in initial)
     for name, tensor in weights_a.items():
         assert (
             tensor.view(-1).view(torch.uint8).equal(weights_b[name].view(-1).view(torch.uint8))
