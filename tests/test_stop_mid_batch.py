@@ -124,3 +124,44 @@ def test_stop_after_mini_step_2_resumes_to_the_same_weights_and_metrics(tmp_path
         assert (
             tensor.view(-1).view(torch.uint8).equal(weights_b[name].view(-1).view(torch.uint8))
         ), name
+
+
+def test_mid_batch_checkpoint_sorts_between_batches_and_loads_its_pending_batch(
+    megatron_world, tiny_checkpoint, tiny_hf_config, tmp_path
+):
+    """``step_1_mini_2`` (a stop in rollout batch 2 after its 2nd optimizer step) commits
+    after ``step_1``, is what a resume picks, and gives back this rank's pending batch as it
+    was written (no pickle: plain data and tensors); a checkpoint between batches has none."""
+    from test_checkpoint_resume import train_step
+
+    from megatron_sat.checkpoint.run_state import (
+        _committed,
+        latest_run_checkpoint,
+        load_run_checkpoint,
+        save_run_checkpoint,
+    )
+    from megatron_sat.config import ParallelConfig, TrainConfig
+    from megatron_sat.training.trainer import PolicyTrainer
+
+    trainer = PolicyTrainer(
+        tiny_hf_config,
+        TrainConfig(lr=1e-3, micro_batch_size=4, seed=3),
+        ParallelConfig(),
+        pad_token_id=0,
+        load_from=tiny_checkpoint,
+    )
+    train_step(trainer, 1, tiny_hf_config["vocab_size"])  # Adam state to checkpoint
+    pending = {"done": 2, "old_log_probs": [[torch.arange(6.0).reshape(2, 3)]], "metrics": []}
+    kwargs = dict(model=trainer.model, optimizer=trainer.optimizer)
+    save_run_checkpoint(tmp_path, step=1, **kwargs)
+    mid = save_run_checkpoint(tmp_path, step=1, mini_step=2, pending_batch=pending, **kwargs)
+    assert mid.name == "step_00000001_mini_0002"
+    assert latest_run_checkpoint(tmp_path) == mid
+    assert [p.name for p in _committed(tmp_path)] == [mid.name, "step_00000001"]
+    state = load_run_checkpoint(tmp_path, **kwargs)
+    assert (state.step, state.mini_step, state.pending_batch["done"]) == (1, 2, 2)
+    assert state.pending_batch["old_log_probs"][0][0].equal(torch.arange(6.0).reshape(2, 3))
+    later = save_run_checkpoint(tmp_path, step=2, **kwargs)
+    assert [p.name for p in _committed(tmp_path)][:2] == [later.name, mid.name]
+    state = load_run_checkpoint(tmp_path, **kwargs)
+    assert (state.step, state.mini_step, state.pending_batch) == (2, 0, None)
