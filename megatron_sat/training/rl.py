@@ -266,6 +266,11 @@ def _run_rl(cfg: RunConfig, stop: StopRequest) -> dict:
     if cfg.rollout.mode != "sync" and (pool_state or {}).get("batches") is not None:
         # Before any server starts: a pool of another lag, batch or clock is refused here.
         check_pool_state(pool_state, async_pool_config(cfg))
+    if cfg.rollout.mode != "sync" and state is not None and state.pending_batch is not None:
+        raise ValueError(  # only sync mode stops inside a rollout batch (training.stop)
+            f"rollout.mode={cfg.rollout.mode}: the run checkpoint was written in the middle of "
+            "a rollout batch in rollout.mode=sync; resume it with rollout.mode=sync"
+        )
     if first_step > cfg.train.num_steps:
         if state.step == cfg.train.num_steps and not (Path(cfg.run_dir) / "summary.json").exists():
             # Killed after its last run checkpoint, before the HF export and the summary.
