@@ -56,6 +56,7 @@ def _train(args: argparse.Namespace) -> int:
         print("dry run: the configuration is valid", file=sys.stderr)
         return 0
     _install_crash_hook(os.environ.get(CRASH_AT_ENV))
+    _install_stop_hook(os.environ.get(STOP_AT_ENV))
     run_rl(cfg)
     return 0
 
@@ -91,6 +92,40 @@ def _install_crash_hook(spec: str | None) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
 
     set_commit_hook(hook)
+
+
+STOP_AT_ENV = "MEGATRON_SAT_STOP_AT"
+
+
+def _install_stop_hook(spec: str | None) -> None:
+    """Stop tests only: ``MEGATRON_SAT_STOP_AT=<step>:<mini_step>`` raises SIGUSR1 in this
+    process (the run's stop handler, ``training.stop``) right after optimizer step
+    ``<mini_step>`` of rollout batch ``<step>`` (the one trained at trainer version
+    ``<step> - 1``), a deterministic stand-in for a signal that arrives then. Unset: nothing
+    is installed.
+
+    Raises:
+        SystemExit: (2) for a malformed value, naming the variable.
+    """
+    if not spec:
+        return
+    import signal
+
+    from megatron_sat.training.mini_batches import set_step_hook
+
+    step, _, mini = spec.partition(":")
+    if not (step.isdigit() and mini.isdigit() and int(step) > 0 and int(mini) > 0):
+        print(
+            f"megatron-sat train: {STOP_AT_ENV}={spec!r}: want <step>:<mini_step>, both >= 1",
+            file=sys.stderr,
+        )
+        raise SystemExit(2)
+
+    def hook(version: int | None, done: int) -> None:
+        if version == int(step) - 1 and done == int(mini):
+            signal.raise_signal(signal.SIGUSR1)
+
+    set_step_hook(hook)
 
 
 def _warm_start(args: argparse.Namespace) -> int:

@@ -31,7 +31,11 @@ FORMAT = "megatron-sat-manifest/1"
 ALGORITHM = "sha256"
 CHUNK_BYTES = 1 << 20
 
-_RANK_FILE = (re.compile(r"^dist/__(\d+)_\d+\.distcp$"), re.compile(r"^rng/rank_(\d+)\.pt$"))
+_RANK_FILE = (
+    re.compile(r"^dist/__(\d+)_\d+\.distcp$"),
+    re.compile(r"^rng/rank_(\d+)\.pt$"),
+    re.compile(r"^pending_batch/rank_(\d+)\.pt$"),  # a mid-batch stop's (run_state)
+)
 
 
 def file_digest(path: str | Path) -> str:

@@ -9,6 +9,10 @@ A run checkpoint ``<run_dir>/checkpoints/step_<00000012>/`` holds
 - ``state.pt``: the run state of rank 0 (step, weight version, data position, rollout pool
   state, anything else the caller passes: plain data, tensors, numeric numpy arrays), written
   as plain data and tensors (:mod:`megatron_sat.checkpoint.safe_files`);
+- ``pending_batch/rank_<r>.pt`` (only in ``step_N_mini_j``, written by a stop in the middle
+  of rollout batch N + 1 after its j-th optimizer step): each rank's share of the pending
+  rollout batch (samples, advantages, old log-probs, steps done: ``RunState.pending_batch``),
+  plain data, loaded at the saving world size only;
 - ``meta.json``: step, weight version, world size, parallel layout and ``"format": 2``;
 - ``manifest.json``: every other file with its size and SHA-256
   (:mod:`megatron_sat.checkpoint.manifest`), hashed by the rank that wrote it.
@@ -58,6 +62,7 @@ import json
 import logging
 import os
 import random
+import re
 import shutil
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -88,6 +93,7 @@ CHECKPOINTS = "checkpoints"
 LATEST = "latest"
 SET_ASIDE = "set_aside"
 COMMIT_PHASES = ("writing", "written", "renamed", "committed")
+PENDING = "pending_batch"  # a mid-batch checkpoint's per-rank pending rollout batches
 FORMAT = 2  # meta.json's "format": plain-data run files and manifest.json (absent: format 1)
 
 logger = logging.getLogger(__name__)
@@ -125,12 +131,30 @@ def _fsync_tree(root: Path) -> None:
         _fsync_path(Path(dirpath))
 
 
-def _step_of(folder: Path) -> int | None:
-    """N of ``step_N`` / ``step_N.tmp``, None for other names."""
-    name = folder.name.removesuffix(".tmp")
-    if not name.startswith("step_") or not name[5:].isdigit():
+_FOLDER = re.compile(r"^step_(\d+)(?:_mini_(\d+))?$")
+
+
+def folder_name(step: int, mini_step: int = 0) -> str:
+    """The folder of a run checkpoint after rollout batch ``step``: ``step_<step>``, or, for a
+    stop in the middle of rollout batch ``step + 1`` after its ``mini_step``-th optimizer
+    step, ``step_<step>_mini_<mini_step>`` (sorts after ``step_<step>``, before the next)."""
+    name = f"step_{step:08d}"
+    return f"{name}_mini_{mini_step:04d}" if mini_step else name
+
+
+def _step_of(folder: Path) -> tuple[int, int] | None:
+    """``(N, j)`` of ``step_N`` / ``step_N_mini_j`` (``.tmp`` or not; j = 0 for ``step_N``),
+    the order of the run's checkpoints; None for other names."""
+    match = _FOLDER.match(folder.name.removesuffix(".tmp"))
+    if match is None:
         return None
-    return int(name[5:])
+    return int(match.group(1)), int(match.group(2) or 0)
+
+
+def _label(folder: Path) -> str:
+    """``N`` of ``step_N``, ``N+mini_j`` of ``step_N_mini_j`` (in messages)."""
+    step, mini = _step_of(folder)
+    return f"{step}+mini_{mini}" if mini else str(step)
 
 
 def clean_uncommitted(run_dir: str | Path) -> list[Path]:
@@ -141,7 +165,7 @@ def clean_uncommitted(run_dir: str | Path) -> list[Path]:
     if not root.is_dir():
         return []
     latest = latest_run_checkpoint(run_dir)
-    committed = -1 if latest is None else _step_of(latest)
+    committed = (-1, 0) if latest is None else _step_of(latest)
     removed = []
     for folder in sorted(root.glob("step_*")):
         step = _step_of(folder)
@@ -171,6 +195,11 @@ class RunState:
         rollout_state: the rollout pool's state (admitted but unconsumed samples with their
             versions), as the pool exports it.
         extra: anything else (plain data, tensors, numeric numpy arrays: ``safe_files.to_plain``).
+        mini_step: 0 for a checkpoint between rollout batches; j > 0 for one written by a stop
+            in the middle of rollout batch ``step + 1``, after its j-th optimizer step.
+        pending_batch: this rank's pending rollout batch of such a checkpoint (its
+            ``pending_batch/rank_<r>.pt``: ``training.mini_batches.RolloutBatchSteps``'s
+            ``state_dict``), None otherwise. Not part of ``state.pt``.
     """
 
     step: int
@@ -178,6 +207,8 @@ class RunState:
     data_state: dict[str, Any] = field(default_factory=dict)
     rollout_state: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
+    mini_step: int = 0
+    pending_batch: dict[str, Any] | None = None
 
 
 def should_save(step: int, every: int) -> bool:
@@ -295,6 +326,8 @@ def save_run_checkpoint(
     rollout_state: dict[str, Any] | None = None,
     extra: dict[str, Any] | None = None,
     keep_last: int | None = None,
+    mini_step: int = 0,
+    pending_batch: dict[str, Any] | None = None,
 ) -> Path:
     """Write a run checkpoint after optimizer step ``step`` (collective: every rank calls it).
 
@@ -306,9 +339,14 @@ def save_run_checkpoint(
         weight_version, data_state, rollout_state, extra: see :class:`RunState` (rank 0's
             values are written).
         keep_last: delete all but the newest ``keep_last`` checkpoints (None keeps all).
+        mini_step, pending_batch: a checkpoint in the middle of rollout batch ``step + 1``
+            after its ``mini_step``-th optimizer step (folder ``step_<step>_mini_<j>``), with
+            each rank's own ``pending_batch`` (plain data, written by that rank to
+            ``pending_batch/rank_<r>.pt``, hashed into the manifest like its RNG file; every
+            rank passes one or none does). See :class:`RunState`.
 
     Returns:
-        The checkpoint directory ``<run_dir>/checkpoints/step_<step>``.
+        The checkpoint directory ``<run_dir>/checkpoints/step_<step>`` (``_mini_<j>``).
 
     Raises:
         FileExistsError: when a committed checkpoint of this step exists already (an
@@ -319,8 +357,8 @@ def save_run_checkpoint(
             megatron-core's writer loses the errno); nothing is committed.
     """
     root = Path(run_dir) / CHECKPOINTS
-    final = root / f"step_{step:08d}"
-    tmp = root / f"step_{step:08d}.tmp"
+    final = root / folder_name(step, mini_step)
+    tmp = root / f"{final.name}.tmp"
     error: tuple[str, str] | None = None
     plain = None
     if _rank() == 0:
@@ -333,6 +371,7 @@ def save_run_checkpoint(
                         data_state=data_state or {},
                         rollout_state=rollout_state or {},
                         extra=extra or {},
+                        mini_step=mini_step,
                     )
                 )
             )
@@ -342,7 +381,7 @@ def save_run_checkpoint(
         if error is None and final.exists():
             error = (
                 "FileExistsError",
-                f"{final} exists: a run checkpoint of step {step} was written already",
+                f"{final} exists: a run checkpoint of step {_label(final)} was written already",
             )
         elif error is None:
             (tmp / "rng").mkdir(parents=True)
@@ -351,8 +390,9 @@ def save_run_checkpoint(
     error = broadcast_from_rank0(error)
     if error is not None:
         raise {"TypeError": TypeError, "FileExistsError": FileExistsError}[error[0]](error[1])
+    mine = None if pending_batch is None else to_plain(pending_batch, "pending_batch")
     with named_disk_errors(tmp, f"run checkpoint of step {step}"):
-        _write_files(tmp, model, optimizer, plain, step, weight_version)
+        _write_files(tmp, model, optimizer, (plain, mine), step, (weight_version, mini_step))
     if _rank() == 0:
         _at("written", step)
         tmp.rename(final)
@@ -374,15 +414,23 @@ def save_run_checkpoint(
     return final
 
 
-def _write_files(tmp: Path, model, optimizer, plain, step: int, weight_version: int) -> None:
-    """Every file of the checkpoint into ``tmp`` and its manifest, fsynced (collective)."""
+def _write_files(tmp: Path, model, optimizer, plain, step: int, versions) -> None:
+    """Every file of the checkpoint into ``tmp`` and its manifest, fsynced (collective).
+    ``plain``: rank 0's run state and this rank's pending batch (or None); ``versions``: the
+    weight version and the mini-step."""
+    (plain, pending), (weight_version, mini_step) = plain, versions
     save_dist_checkpoint(_sharded_state(model, optimizer, is_loading=False), tmp / "dist")
     if _rank() == 0:
         _at("writing", step)  # a crash in the middle of the write
     torch.save(rng_state(), tmp / "rng" / f"rank_{_rank():05d}.pt")
+    if pending is not None:
+        (tmp / PENDING).mkdir(exist_ok=True)
+        torch.save(pending, tmp / PENDING / f"rank_{_rank():05d}.pt")
     if _rank() == 0:
         torch.save(plain, tmp / "state.pt")
         meta = {"step": step, "weight_version": weight_version, "format": FORMAT, **_layout()}
+        if mini_step:
+            meta["mini_step"] = mini_step
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     _barrier()
     parts = _gather(_hash_own_files(tmp))  # each rank hashes what it wrote
@@ -514,7 +562,7 @@ def _choose(path: Path, resume_from: int | None) -> tuple[Path, int]:
     if resume_from is not None:
         chosen = path / CHECKPOINTS / f"step_{resume_from:08d}"
         if chosen not in committed:
-            have = ", ".join(str(_step_of(c)) for c in committed)
+            have = ", ".join(_label(c) for c in committed)
             raise FileNotFoundError(
                 f"train.resume_from={resume_from}: no committed run checkpoint {chosen} "
                 f"(committed steps: {have})"
@@ -600,6 +648,16 @@ def load_run_checkpoint(
             "states cannot be mapped (pass load_rng=False to resume without them)"
         )
     state = from_plain(load_plain(ckpt / "state.pt", legacy=legacy))
+    pending = None
+    if (ckpt / PENDING).is_dir():
+        if meta["world_size"] != _world():
+            raise ValueError(
+                f"{ckpt} stopped in the middle of a rollout batch with {meta['world_size']} "
+                f"ranks, each holding its share of it; this run has {_world()}: resume it at "
+                f"{meta['world_size']} ranks (or from a checkpoint between rollout batches, "
+                "train.resume_from)"
+            )
+        pending = from_plain(load_plain(ckpt / PENDING / f"rank_{_rank():05d}.pt"))
     rng = None
     if load_rng:
         rng = load_plain(ckpt / "rng" / f"rank_{_rank():05d}.pt", legacy=legacy)
@@ -612,4 +670,5 @@ def load_run_checkpoint(
     restore_adam_steps(optimizer, loaded["optimizer"])  # megatron-core 0.19 loses Adam's step
     if rng is not None:
         set_rng_state(rng)
+    state["pending_batch"] = pending
     return RunState(**state)

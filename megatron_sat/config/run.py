@@ -410,7 +410,9 @@ class TrainConfig:
             the main job sets 1 (every step: its summary and plots read the metric).
         eval_every: held-out evaluation every this many steps (and at 0 and the end).
         save_every: run checkpoint (model, optimizer, RNG, data position, weight version)
-            every this many steps, and always after the last one; 0 = only after the last.
+            every this many steps (rollout batches: never between the optimizer steps of a
+            rollout batch, which only a stop signal saves, ``training.saving``), and always
+            after the last one; 0 = only after the last.
         resume: continue from the latest run checkpoint in ``run_dir`` that verifies.
         resume_from: with ``resume``, the step of the run checkpoint to continue from (an
             error when it is missing or fails verification); None: the latest that verifies.
@@ -450,8 +452,10 @@ class TrainConfig:
             version* is one rollout batch, as slime's ``rollout_id``: the weights are pushed
             once per rollout batch, ``response_versions``, staleness and the lag bound count
             rollout batches, and every mini-step of a rollout batch sees the same trainer
-            version. ``train.num_steps`` counts rollout batches; a run checkpoint is written
-            between rollout batches.
+            version. ``train.num_steps`` counts rollout batches; ``train.save_every`` writes
+            run checkpoints between rollout batches, a stop signal (``training.stop``) in
+            ``rollout.mode=sync`` after the current optimizer step (the resumed run finishes
+            the rollout batch).
         num_epochs: passes over the rollout batch (verl's ``ppo_epochs``); each rollout batch
             gives (rollout batch / ``global_batch_size``) x ``num_epochs`` optimizer steps (with
             ``global_batch_size`` None, ``num_epochs`` steps on the whole batch).

@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_sat.config import RunConfig
-from megatron_sat.training.mini_batches import distributed_rollout_batch
-from megatron_sat.training.saving import save_if_due
+from megatron_sat.training.mini_batches import RolloutBatchSteps, train_rollout_batch
+from megatron_sat.training.saving import save_if_due, save_mid_batch
 from megatron_sat.training.stage_senders import StageSender
 from megatron_sat.training.step import routing_diagnostic_due
 from megatron_sat.training.trainer import PolicyTrainer
@@ -24,8 +24,10 @@ class Followers:
     ``tell(command, arg)`` broadcasts one command over the world group before rank 0 starts
     the collective action it names; the followers run ``follow``. Commands: ``step``, ``export``
     (walk ``trainer.hf_tensors()`` to the end), ``save`` (arg: the step and whether a stop
-    forces the save), ``done``, ``stop`` (a stop signal ended the run after a save: no HF
-    export) and ``abort`` (rank 0 failed: the followers raise instead of waiting forever).
+    forces the save), ``save_mid_batch`` (arg: the step a stop interrupted after one of its
+    optimizer steps: each rank saves its own pending batch), ``done``, ``stop`` (a stop
+    signal ended the run after a save: no HF export) and ``abort`` (rank 0 failed: the
+    followers raise instead of waiting forever).
 
     ``busy`` is true from ``tell`` of a collective action until rank 0 calls ``idle`` after
     finishing its own part: a failure on rank 0 in between leaves the followers inside that
@@ -44,7 +46,9 @@ class Followers:
         if self.active:
             dist.broadcast_object_list([command, arg], src=0)
         self.done |= command in ("done", "stop")
-        self.busy = command in ("step", "export", "save", "stage_connect", "stage_push")
+        self.busy = command in (
+            "step", "export", "save", "save_mid_batch", "stage_connect", "stage_push"
+        )  # fmt: skip
 
     def idle(self) -> None:
         """Rank 0 finished its part of the last collective action."""
@@ -71,9 +75,12 @@ class Followers:
             self.idle()
 
     @staticmethod
-    def follow(trainer: PolicyTrainer, cfg: RunConfig) -> str:
+    def follow(
+        trainer: PolicyTrainer, cfg: RunConfig, pending: RolloutBatchSteps | None = None
+    ) -> str:
         """A non-zero rank: do what rank 0 says until it says ``done`` or ``stop``; returns
-        which.
+        which. ``pending``: this rank's share of a rollout batch a stop interrupted (the run
+        checkpoint's), finished by the first ``step``.
 
         Raises:
             RuntimeError: when rank 0 aborts.
@@ -84,15 +91,17 @@ class Followers:
             dist.broadcast_object_list(message, src=0)
             command, arg = message
             if command == "step":  # arg: the step, for the diagnostic's interval
-                # One rollout batch: one optimizer step, or several (training.mini_batches)
+                # One rollout batch: one optimizer step, or several (training.mini_batches),
+                # which rank 0 may stop in the middle: the pending batch is kept to be saved
                 interval = cfg.train.routing_diagnostic_interval
-                distributed_rollout_batch(
+                _, pending = train_rollout_batch(
                     trainer,
                     None,
                     None,
                     cfg,
                     None,
                     routing_diagnostic=routing_diagnostic_due(interval, arg),
+                    pending=pending,
                 )
             elif command == "export":
                 for _ in trainer.hf_tensors():
@@ -100,6 +109,8 @@ class Followers:
             elif command == "save":
                 step, force = arg
                 save_if_due(cfg, trainer, step, version=None, initial=None, force=force)
+            elif command == "save_mid_batch":
+                save_mid_batch(cfg, trainer, arg, pending, version=None, initial=None)
             elif command in StageSender.COMMANDS:
                 stage.handle(command, arg)
             elif command in ("done", "stop"):

@@ -38,6 +38,10 @@ steps (slime: ``num_steps_per_rollout`` = rollout batch / ``--global-batch-size`
   the same old log-probs and bitwise the same weights (tests/test_mini_batches.py). The old
   log-probs cannot be regenerated after the first step (the weights they need are gone), so
   they are stored, not recomputed.
+- Stop in the middle (``train_rollout_batch``): the RL loop asks, after each optimizer step
+  that leaves steps to do, whether a stop signal came (``training.stop``); rank 0's answer is
+  broadcast, and on a stop every rank keeps its ``RolloutBatchSteps`` for a run checkpoint
+  (``training.mid_batch``) and the resumed run passes it back to finish the batch.
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ import contextlib
 import dataclasses
 import re
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -60,6 +64,16 @@ from megatron_sat.training import passes, step_batch
 from megatron_sat.training.pass_plan import needs_old_log_probs, plan_old_log_probs
 from megatron_sat.training.step import distributed_rl_step, rank_share
 from megatron_sat.training.trainer import PolicyTrainer
+
+_step_hook: Callable[[int | None, int], None] | None = None
+
+
+def set_step_hook(hook: Callable[[int | None, int], None] | None) -> None:
+    """Install ``hook(trainer_version, done)``, called after each optimizer step of a rollout
+    batch (``run_optimizer_step``; ``done``: its steps done, 1-based). For stop tests only
+    (the CLI installs one from ``MEGATRON_SAT_STOP_AT``); None removes it."""
+    global _step_hook
+    _step_hook = hook
 
 
 def mini_batch_slices(num_samples: int, group_size: int, global_batch_size: int) -> list[slice]:
@@ -253,6 +267,8 @@ def run_optimizer_step(
         )
     pending.done += 1
     pending.metrics.append(metrics)
+    if _step_hook is not None:
+        _step_hook(version, pending.done)
     return metrics
 
 
@@ -295,3 +311,58 @@ def distributed_rollout_batch(
     while pending.done < pending.num_steps:
         run_optimizer_step(trainer, pending, cfg.objective, routing_diagnostic)
     return rollout_batch_metrics(pending.metrics)
+
+
+def _stop_agreed(stop: Callable[[], bool] | None) -> bool:
+    """Rank 0's ``stop()`` (False without one), broadcast to every rank. A collective."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    box = [bool(stop()) if rank == 0 and stop is not None else False]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def train_rollout_batch(
+    trainer: PolicyTrainer,
+    samples: list[Sample] | None,
+    advantages: torch.Tensor | None,
+    cfg: RunConfig,
+    trainer_version: int | None,
+    *,
+    routing_diagnostic: bool,
+    stop: Callable[[], bool] | None = None,
+    pending: RolloutBatchSteps | None = None,
+) -> tuple[dict[str, float] | None, RolloutBatchSteps | None]:
+    """``distributed_rollout_batch`` that a stop can interrupt between two optimizer steps (the
+    RL loop's, on every rank: rank 0 passes the batch, the others None).
+
+    Args:
+        stop: rank 0's question "stop now?", asked after each optimizer step that leaves
+            steps of the rollout batch to do; its answer is broadcast to every rank, so the
+            others pass None (rank 0 too, never to stop in the middle). One step per rollout
+            batch: never asked.
+        pending: a pending batch restored from a run checkpoint (this rank's share), finished
+            instead of starting one from ``samples``.
+
+    Returns:
+        ``(metrics, None)`` when the rollout batch is done (``rollout_batch_metrics``, or the
+        one step's), ``(None, pending)`` when a stop came with ``pending.done`` of its
+        ``pending.num_steps`` steps done (``pending.state_dict()`` goes into the checkpoint).
+    """
+    if pending is None:
+        if not uses_mini_batches(cfg):
+            metrics = distributed_rl_step(
+                trainer,
+                samples,
+                advantages,
+                cfg,
+                trainer_version,
+                routing_diagnostic=routing_diagnostic,
+            )
+            return metrics, None
+        pending = start_rollout_batch(trainer, samples, advantages, cfg, trainer_version)
+    while pending.done < pending.num_steps:
+        run_optimizer_step(trainer, pending, cfg.objective, routing_diagnostic)
+        if pending.done < pending.num_steps and _stop_agreed(stop):
+            return None, pending
+    return rollout_batch_metrics(pending.metrics), None

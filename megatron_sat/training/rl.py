@@ -67,10 +67,10 @@ from megatron_sat.rollout.types import Sample, staleness
 from megatron_sat.training.engines import rollout_fleet
 from megatron_sat.training.evaluate import evaluate
 from megatron_sat.training.followers import Followers
-from megatron_sat.training.mini_batches import distributed_rollout_batch
+from megatron_sat.training.mini_batches import RolloutBatchSteps, train_rollout_batch
 from megatron_sat.training.run_logger import RunLogger
 from megatron_sat.training.sampling_mask_tp import replayed_sampling_mask
-from megatron_sat.training.saving import due, save_if_due
+from megatron_sat.training.saving import due, save_if_due, save_mid_batch
 from megatron_sat.training.schedule import (
     PoolParts,
     Schedule,
@@ -266,6 +266,11 @@ def _run_rl(cfg: RunConfig, stop: StopRequest) -> dict:
     if cfg.rollout.mode != "sync" and (pool_state or {}).get("batches") is not None:
         # Before any server starts: a pool of another lag, batch or clock is refused here.
         check_pool_state(pool_state, async_pool_config(cfg))
+    if cfg.rollout.mode != "sync" and state is not None and state.pending_batch is not None:
+        raise ValueError(  # only sync mode stops inside a rollout batch (training.stop)
+            f"rollout.mode={cfg.rollout.mode}: the run checkpoint was written in the middle of "
+            "a rollout batch in rollout.mode=sync; resume it with rollout.mode=sync"
+        )
     if first_step > cfg.train.num_steps:
         if state.step == cfg.train.num_steps and not (Path(cfg.run_dir) / "summary.json").exists():
             # Killed after its last run checkpoint, before the HF export and the summary.
@@ -275,7 +280,7 @@ def _run_rl(cfg: RunConfig, stop: StopRequest) -> dict:
             f"{cfg.train.num_steps}: nothing to resume (raise train.num_steps)"
         )
     if dist.get_rank() != 0:
-        if Followers.follow(trainer, cfg) == "done":
+        if Followers.follow(trainer, cfg, _pending_batch(state, trainer)) == "done":
             # Writing the checkpoint is a collective (checkpoint.hf_io.save_model_as_hf).
             trainer.save_hf(Path(cfg.run_dir) / "checkpoint", tokenizer_dir=cfg.init_checkpoint)
         return {}
@@ -322,6 +327,14 @@ def _resumed_state(cfg: RunConfig, trainer: PolicyTrainer):
         resume_from=cfg.train.resume_from,
     )
     return state, False
+
+
+def _pending_batch(state, trainer: PolicyTrainer) -> RolloutBatchSteps | None:
+    """This rank's share of the rollout batch a stop interrupted (a run checkpoint
+    ``step_N_mini_j``: batch N + 1 after j optimizer steps), None otherwise."""
+    if state is None or state.pending_batch is None:
+        return None
+    return RolloutBatchSteps.from_state_dict(state.pending_batch, trainer.device)
 
 
 def _finish_after_last_step(cfg: RunConfig, trainer: PolicyTrainer, state) -> dict:
@@ -398,8 +411,9 @@ def _lead(
         lead.close()
         if lead.stopped_after is not None:  # saved; the servers stop as the block ends
             followers.tell("stop")
-            print(resume_hint(run_dir, lead.stopped_after, stop.signal_name), file=sys.stderr)
-            return {"stopped_after": lead.stopped_after, "signal": stop.signal_name}
+            after, mini = lead.stopped_after, lead.stopped_mini
+            print(resume_hint(run_dir, after, stop.signal_name, mini), file=sys.stderr)
+            return {"stopped_after": after, "mini_step": mini, "signal": stop.signal_name}
         followers.tell("done")
         checkpoint = trainer.save_hf(run_dir / "checkpoint", tokenizer_dir=cfg.init_checkpoint)
         summary = make_summary(cfg, initial, final, run_dir, checkpoint, time.time() - t_start)
@@ -478,12 +492,24 @@ class _Lead:
         self.schedule: Schedule | None = None  # build_schedule
         self.stop = StopRequest()  # the run's, set by _lead; read once per step
         self.stopped_after: int | None = None  # the step a stop signal saved and ended
+        self.stopped_mini = 0  # optimizer steps of the next rollout batch it saved, if any
+        # The rollout batch a stop interrupted (the run checkpoint's), finished first
+        self.resumed: tuple[dict, RolloutBatchSteps] | None = None
 
     def initial_sync(self, state) -> None:
-        """Start from identical weights on both sides, tagged with the trainer's version."""
+        """Start from identical weights on both sides, tagged with the trainer's version. On
+        a resume in the middle of a rollout batch the servers get none until it ends
+        (``train``): the weights of a mini-step are no policy version."""
         self.version = 0 if state is None else state.weight_version
         # The cumulative counters logged at the checkpoint resumed from: this process counts on.
         self.counted = {} if state is None else state.extra.get("counters", {})
+        if state is not None and state.pending_batch is not None:
+            self.resumed = (state.extra["mid_batch"], _pending_batch(state, self.trainer))
+            return
+        self.sync_now()
+
+    def sync_now(self) -> None:
+        """The trainer's weights as ``version`` to every server (``sync_servers``)."""
         try:  # through sync_servers like every push: a server restarted here reaches the pool
             sync_servers(
                 self.fleet,
@@ -592,9 +618,9 @@ class _Lead:
         cfg = self.cfg
         t0 = time.time()
         self.restart_s = 0.0
-        samples = self.schedule.generate(step)
-        t_gen = time.time() - t0
-        metrics = self.train(step, samples)
+        samples, metrics, t_gen = self.rollout_batch(step)
+        if not self.train(step, samples, metrics, t_gen):  # a stop in the middle: saved
+            return metrics
         eval_due = step % cfg.train.eval_every == 0 or step == cfg.train.num_steps
         # A stop signal read here is honoured by this step (saved); a later one, by the next.
         stopping = self.stop.requested and step < cfg.train.num_steps
@@ -629,25 +655,72 @@ class _Lead:
             self.stopped_after = step
         return metrics
 
-    def train(self, step: int, samples: list[Sample]) -> dict[str, float]:
-        """Group advantages and the distributed train step on ``samples``; the batch's and the
-        step's metrics. The trainer's version goes up by one.
+    def rollout_batch(self, step: int) -> tuple[list[Sample] | None, dict[str, float], float]:
+        """The step's samples, their metrics (``batch_metrics``) and generation seconds; for
+        the rollout batch a stop interrupted, None and the metrics and seconds it saved.
 
         Raises:
             ValueError: naming the sample, for a non-finite reward (nothing is trained)."""
+        if self.resumed is not None:
+            saved = self.resumed[0]
+            return None, dict(saved["metrics"]), saved["generate_s"]
+        t0 = time.time()
+        samples = self.schedule.generate(step)
+        t_gen = time.time() - t0
         check_finite_rewards(samples)
-        rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
-        advantages = compute_grpo_advantages(rewards, self.cfg.rollout.group_size)
-        metrics = batch_metrics(samples, self.version)
+        return samples, batch_metrics(samples, self.version), t_gen
+
+    def train(self, step: int, samples, metrics: dict[str, float], t_gen: float) -> bool:
+        """Group advantages and the distributed train step on ``samples`` (None: finish the
+        resumed batch), its metrics into ``metrics``; the trainer's version goes up by one.
+        False when a stop came between two of its optimizer steps (sync mode: the
+        asynchronous pool's state holds batches generated ahead that a mini-step cannot
+        export, so there the stop waits for the batch's end): saved, nothing else done."""
+        advantages, pending = None, None if self.resumed is None else self.resumed[1]
+        if samples is not None:
+            rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
+            advantages = compute_grpo_advantages(rewards, self.cfg.rollout.group_size)
         self.followers.tell("step", step)
         diagnostic = routing_diagnostic_due(self.cfg.train.routing_diagnostic_interval, step)
-        train = distributed_rollout_batch(
-            self.trainer, samples, advantages, self.cfg, self.version, routing_diagnostic=diagnostic
+        stop = (lambda: self.stop.requested) if self.cfg.rollout.mode == "sync" else None
+        train, pending = train_rollout_batch(
+            self.trainer,
+            samples,
+            advantages,
+            self.cfg,
+            self.version,
+            routing_diagnostic=diagnostic,
+            stop=stop,
+            pending=pending,
         )
         self.followers.idle()
+        if train is None:
+            self.save_mid_batch(step, pending, {"metrics": metrics, "generate_s": t_gen})
+            return False
         metrics.update({f"train/{k}": v for k, v in train.items()})
         self.version += 1
-        return metrics
+        if self.resumed is not None:  # the push initial_sync left for the batch's end
+            self.resumed = None
+            self.sync_now()
+        return True
+
+    def save_mid_batch(self, step: int, pending: RolloutBatchSteps, batch: dict) -> None:
+        """The run checkpoint of a stop in the middle of rollout batch ``step``
+        (``training.saving.save_mid_batch``); the run then ends."""
+        self.followers.tell("save_mid_batch", step)
+        save_mid_batch(
+            self.cfg,
+            self.trainer,
+            step,
+            pending,
+            version=self.version,
+            initial=self.initial,
+            prompts=self.schedule.data_position(step, None),
+            counters=self.counters(),
+            batch=batch,
+        )
+        self.followers.idle()
+        self.stopped_after, self.stopped_mini = step - 1, pending.done
 
     def log(self, step: int, metrics: dict[str, float]) -> dict[str, float]:
         """Add the servers' and the cumulative counters' metrics and log the step; the
@@ -657,17 +730,21 @@ class _Lead:
         metrics.update(server_metrics(self.snapshot, now))
         metrics.update(refusal_metrics(self.fleet.clients))  # rollout.protocol's, cumulative
         self.snapshot = now
+        counters = self.counters()
+        metrics.update(counters)
+        metrics["rollout/dead_servers"] = float(len(self.fleet.down))
+        self.logger.log(step, metrics)
+        return counters
+
+    def counters(self) -> dict[str, float]:
+        """The cumulative counters: the checkpoint's, plus this process's since."""
         counters = {
             "rollout/reissued": float(sum(p.stats.reissued for p in self.pools)),
             "rollout/server_restarts": float(sum(self.fleet.restarts)),
             "rollout/filtered_groups": float(self.schedule.filtered_groups),
             "rollout/reward_worker_restarts": float(self.rewards.restarts),
         }
-        counters = {k: self.counted.get(k, 0.0) + v for k, v in counters.items()}
-        metrics.update(counters)
-        metrics["rollout/dead_servers"] = float(len(self.fleet.down))
-        self.logger.log(step, metrics)
-        return counters
+        return {k: self.counted.get(k, 0.0) + v for k, v in counters.items()}
 
     def close(self) -> None:
         """Stop the schedule's pools and close the synchronous one."""

@@ -4,7 +4,14 @@ The first signal only sets a flag (``StopRequest.signal_name``) and prints one l
 loop reads the flag where a step decides whether it saves (``training.rl``: just before the
 schedule's push and pool export), so the step in progress finishes, a run checkpoint of it is
 written (also when ``train.save_every`` would not have saved it), the servers are stopped and
-the process exits 0 with a line saying how to resume. A signal that comes after that decision
+the process exits 0 with a line saying how to resume. A rollout batch of several optimizer
+steps (``train.global_batch_size``, ``train.num_epochs``) in ``rollout.mode=sync`` also reads
+it after each of its optimizer steps but the last: a stop then takes effect after the current
+optimizer step, with a run checkpoint ``step_N_mini_j`` holding every rank's share of the
+pending batch (``training.saving.save_mid_batch``); the resumed run finishes that batch's
+remaining steps and goes on as the uninterrupted run. (In the asynchronous modes the pool's
+exported state is defined at a weight push, once per rollout batch, so a stop there waits for
+the batch's end.) A signal that comes after that decision
 point is honoured by the next step, which saves. A second signal stops at once: the handler
 restores the system's default action and sends the signal again, so the process ends by that
 signal (no traceback; children end with it, ``platform.lifetime``). The last committed run
@@ -81,9 +88,13 @@ class StopRequest:
                 signal.signal(sig, handler)
 
 
-def resume_hint(run_dir: object, step: int, signal_name: str) -> str:
-    """The line printed when a run stopped on ``signal_name`` after ``step``."""
+def resume_hint(run_dir: object, step: int, signal_name: str, mini_step: int = 0) -> str:
+    """The line printed when a run stopped on ``signal_name`` after ``step`` (and
+    ``mini_step`` optimizer steps of the next rollout batch)."""
+    where = f"step {step}"
+    if mini_step:
+        where += f" and optimizer step {mini_step} of step {step + 1}"
     return (
-        f"megatron-sat: stopped by {signal_name} after step {step}; its run checkpoint is in "
+        f"megatron-sat: stopped by {signal_name} after {where}; its run checkpoint is in "
         f"{run_dir}/checkpoints. Resume with the same command and train.resume=true"
     )
