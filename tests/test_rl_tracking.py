@@ -52,8 +52,8 @@ def test_rl_run_logs_every_step_metric_to_wandb_and_mlflow(
     )
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
     run_id = (run_dir / RUN_ID_FILE).read_text().strip()
-    (path,) = (run_dir / "wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb")
-    logged = {r["_step"]: r for r in wandb_records.history(wandb_records.finished(path))}
+    path = wandb_records.run_file(run_dir, run_id)
+    logged = {r["_step"]: r for r in wandb_records.history(path)}
     assert sorted(logged) == [r["step"] for r in rows] == [0, 1, 2]
     for row in rows:
         for name, value in row.items():

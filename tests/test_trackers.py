@@ -31,8 +31,7 @@ def offline(monkeypatch):
 
 
 def _run_file(run_dir, run_id, nth=0):
-    files = sorted((run_dir / "wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb"))
-    return wandb_records.finished(files[nth])
+    return wandb_records.run_file(run_dir, run_id, nth)
 
 
 @pytest.mark.slow

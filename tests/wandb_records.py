@@ -35,6 +35,22 @@ def finished(path: Path, timeout_s: float = 60.0) -> Path:
         time.sleep(0.2)
 
 
+def run_file(run_dir: Path, run_id: str, nth: int = 0, timeout_s: float = 60.0) -> Path:
+    """The ``nth`` (by start time) offline file of run ``run_id`` under ``run_dir/wandb``, once
+    it is `finished` (W&B's core may create it after ``run.finish()`` returns).
+
+    Raises:
+        TimeoutError: fewer than ``nth + 1`` such files after ``timeout_s``.
+    """
+    pattern = f"offline-run-*-{run_id}/run-{run_id}.wandb"
+    deadline = time.monotonic() + timeout_s
+    while len(files := sorted((Path(run_dir) / "wandb").glob(pattern))) <= nth:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no file {nth} matching {pattern} in {run_dir}/wandb: {files}")
+        time.sleep(0.2)
+    return finished(files[nth], timeout_s)
+
+
 def records(path: Path) -> list:
     """Every ``Record`` in the file, in order."""
     from wandb.proto import wandb_internal_pb2
