@@ -52,7 +52,7 @@ def _train(args: argparse.Namespace) -> int:
     if args.dry_run:
         import yaml
 
-        print(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        print(yaml.safe_dump(cfg.to_dict(resolved=True), sort_keys=False))
         print("dry run: the configuration is valid", file=sys.stderr)
         return 0
     _install_crash_hook(os.environ.get(CRASH_AT_ENV))

@@ -757,3 +757,34 @@ def test_sequence_metric_averages_rows_with_a_token():
     _, _, m = run("gspo", lp, torch.tensor([1.0, 1.0, 1.0], dtype=F64), mask)
     assert m["seq_abs_log_ratio"].item() == pytest.approx(0.25, abs=1e-12)
     assert m["num_seqs"].item() == 2
+
+
+def test_saved_config_keeps_unset_fields_null_and_reloads_per_objective(tmp_path):
+    """The run directory's config.yaml writes the fields a rule filled as null: reloaded, it
+    is the same run; reloaded with another objective.name, that objective's paper defaults."""
+    import yaml
+
+    from megatron_sat.config import load_config
+
+    cfg = load_config(None, ["objective.name=sat-gspo", "train.eval_every=5"])
+    saved = cfg.to_dict()
+    assert [saved["objective"][k] for k in ("loss_agg_mode", "eps_low", "ratio_denominator")] == [
+        None,
+        None,
+        None,
+    ]
+    assert saved["train"]["routing_diagnostic_interval"] is None
+    resolved = cfg.to_dict(resolved=True)
+    assert (resolved["objective"]["loss_agg_mode"], resolved["objective"]["eps_low"]) == (
+        "seq-mean-token-mean",
+        0.2,
+    )
+    assert resolved["train"]["routing_diagnostic_interval"] == 5
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(saved))
+    assert load_config(str(path)).to_dict(resolved=True) == resolved
+    cispo = load_config(str(path), ["objective.name=cispo"]).objective
+    assert (cispo.loss_agg_mode, cispo.eps_low) == ("token-mean", 1.0)
+    # a value the config set stays as set
+    explicit = load_config(None, ["objective.name=gspo", "objective.eps_low=0.2"]).to_dict()
+    assert explicit["objective"]["eps_low"] == 0.2

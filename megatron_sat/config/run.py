@@ -23,6 +23,7 @@ from megatron_sat.objectives import (
     ObjectiveConfig,
     recomputed_old_when_stale,
 )
+from megatron_sat.objectives.paper_defaults import resolve_unset, unset_fields
 
 
 def _positive(section: str, obj: Any, *names: str) -> None:
@@ -522,7 +523,7 @@ class TrainConfig:
         if self.save_every < 0:
             raise ValueError(f"train.save_every must be >= 0, got {self.save_every}")
         if self.routing_diagnostic_interval is None:
-            self.routing_diagnostic_interval = self.eval_every
+            resolve_unset(self, "routing_diagnostic_interval", self.eval_every)
         if self.routing_diagnostic_interval < 0:
             raise ValueError(
                 "train.routing_diagnostic_interval must be >= 0 (0 = off), got "
@@ -714,9 +715,20 @@ class RunConfig:
                 f"{self.rollout.max_new_tokens}"
             )
 
-    def to_dict(self) -> dict[str, Any]:
-        """Plain-dict form (for YAML and the run directory)."""
-        return dataclasses.asdict(self)
+    def to_dict(self, resolved: bool = False) -> dict[str, Any]:
+        """Plain-dict form. ``resolved=False`` (the run directory's and the launch's
+        ``config.yaml``): fields the config left null and that were filled by a rule
+        (``objective.loss_agg_mode``/``eps_low``/``ratio_denominator`` by the objective's name,
+        ``train.routing_diagnostic_interval`` from ``eval_every``) are written null again, so
+        that the file reloads to the same run and, with another objective, to that objective's
+        defaults. ``resolved=True``: the values the run uses (the trackers, the dry run)."""
+        out = dataclasses.asdict(self)
+        if not resolved:
+            for section, value in out.items():
+                if isinstance(value, dict):  # a section (a dataclass)
+                    for name in unset_fields(getattr(self, section)):
+                        value[name] = None
+        return out
 
 
 def _build(cls: type, values: dict[str, Any], prefix: str):

@@ -60,3 +60,19 @@ def departure(name: str, field: str, value: Any) -> str | None:
         f"objective.{field}={value!r} with objective.name={name!r} departs from "
         f"{_PAPERS[name]} ({field}={want!r}): {why}"
     )
+
+
+_UNSET = "_fields_left_unset"
+
+
+def resolve_unset(config: object, name: str, value: Any) -> None:
+    """Set ``config.name`` (None in the config) to ``value`` and remember that it was unset, so
+    that a saved config writes it as null again (`unset_fields`): reloading the saved file
+    with another ``objective.name`` then resolves it for that objective, not the first one."""
+    setattr(config, name, value)
+    config.__dict__.setdefault(_UNSET, set()).add(name)
+
+
+def unset_fields(config: object) -> frozenset[str]:
+    """The fields of ``config`` that `resolve_unset` filled in."""
+    return frozenset(config.__dict__.get(_UNSET, ()))

@@ -60,7 +60,7 @@ from megatron_sat.objectives.metrics import (
     masked_mean,
     mismatch_terms,
 )
-from megatron_sat.objectives.paper_defaults import departure, paper_default
+from megatron_sat.objectives.paper_defaults import departure, paper_default, resolve_unset
 from megatron_sat.objectives.sat import SatRadii, sat_metrics, sat_radii
 
 # Reference-KL clamp of ALGORITHMS.md ("clamped to [-10, 10]").
@@ -138,7 +138,7 @@ class ObjectiveConfig:
         check(self.name in OBJECTIVES, "name", f"one of {sorted(OBJECTIVES)}")
         for unset in ("loss_agg_mode", "eps_low"):
             if getattr(self, unset) is None:
-                setattr(self, unset, paper_default(self.name, unset))
+                resolve_unset(self, unset, paper_default(self.name, unset))
             elif (why := departure(self.name, unset, getattr(self, unset))) is not None:
                 warnings.warn(why, stacklevel=3)
         check(finite(self.eps_low) and 0 <= self.eps_low <= 1, "eps_low", "in [0, 1]")
@@ -174,7 +174,7 @@ class ObjectiveConfig:
         )
         corrected = self.tis_cap is not None or self.icepop_range is not None
         if self.ratio_denominator is None:
-            self.ratio_denominator = "recomputed_old" if corrected else "rollout"
+            resolve_unset(self, "ratio_denominator", "recomputed_old" if corrected else "rollout")
         check(
             self.ratio_denominator in RATIO_DENOMINATORS,
             "ratio_denominator",

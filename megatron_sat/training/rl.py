@@ -369,7 +369,7 @@ def _trackers(cfg: RunConfig, resume_step: int | None) -> list:
     """The ``logging`` section's trackers; a resumed run (a checkpoint step >= 0) continues its
     W&B run."""
     resuming = resume_step is not None and resume_step >= 0
-    return make_trackers(cfg.logging, Path(cfg.run_dir), cfg.to_dict(), resuming)
+    return make_trackers(cfg.logging, Path(cfg.run_dir), cfg.to_dict(resolved=True), resuming)
 
 
 def _lead(
