@@ -21,6 +21,7 @@ from megatron_sat.training.trackers import (
     MlflowTracker,
     WandbTracker,
     make_trackers,
+    mlflow_metric_name,
 )
 
 
@@ -165,3 +166,91 @@ def test_missing_mlflow_is_named(tmp_path, monkeypatch):
         make_trackers(LoggingConfig(mlflow_experiment="sat"), tmp_path, {}, resuming=False)
     with pytest.raises(ValueError, match="mlflow_experiment is null"):
         load_config(overrides=["logging.mlflow_run_name=x"])
+
+
+def test_mlflow_without_a_tracking_store_is_named(tmp_path, monkeypatch, file_store):
+    # MLflow 3's own default, sqlite:///mlflow.db, needs SQLAlchemy, which mlflow-skinny lacks
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    cfg = LoggingConfig(mlflow_experiment="sat")
+    with pytest.raises(ValueError, match=r"set logging\.mlflow_tracking_uri"):
+        MlflowTracker(cfg, tmp_path, {}, resuming=False)
+    assert not (tmp_path / MLFLOW_RUN_ID_FILE).exists()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"file:{file_store}")  # MLflow's own variable
+    MlflowTracker(cfg, tmp_path, {}, resuming=False).close()
+    run_id = (tmp_path / MLFLOW_RUN_ID_FILE).read_text().strip()
+    assert mlflow_files.run_folder(file_store, run_id).is_dir()
+
+
+def test_a_run_that_raises_ends_its_trackers_failed(tmp_path, file_store):
+    cfg = LoggingConfig(mlflow_experiment="sat", mlflow_tracking_uri=f"file:{file_store}")
+    with pytest.raises(RuntimeError, match="crashed"):
+        with RunLogger(tmp_path, trackers=[MlflowTracker(cfg, tmp_path, {}, False)]) as log:
+            log.log(1, {"a": 1.0})
+            raise RuntimeError("trainer crashed at step 2")
+    folder = mlflow_files.run_folder(
+        file_store, (tmp_path / MLFLOW_RUN_ID_FILE).read_text().strip()
+    )
+    assert "status: 4" in (folder / "meta.yaml").read_text()  # RunStatus.FAILED
+
+    class FakeRun:
+        exit_codes: list = []
+
+        def finish(self, exit_code=None):
+            self.exit_codes.append(exit_code)
+
+    wandb_tracker = WandbTracker.__new__(WandbTracker)  # the W&B run itself is faked
+    wandb_tracker._run = FakeRun()
+    with pytest.raises(KeyError):
+        with RunLogger(tmp_path / "w", trackers=[wandb_tracker]):
+            raise KeyError("x")
+    with RunLogger(tmp_path / "w2", trackers=[wandb_tracker]):
+        pass
+    assert FakeRun.exit_codes == [1, 0]
+
+
+@pytest.mark.parametrize(
+    "name, key",
+    [
+        ("eval/pass@4", "eval/pass_4"),
+        ("reward/", "reward"),
+        ("reward//x", "reward/x"),
+        ("/reward/x", "reward/x"),
+        ("reward/../x", "reward/__/x"),
+        ("..", "__"),
+        ("a/./b", "a/_/b"),
+        ("", "_"),
+        ("//", "_"),
+        ("reward/score.v2 t:1", "reward/score.v2 t:1"),  # already valid: unchanged
+    ],
+)
+def test_mlflow_metric_names_are_made_valid(name, key):
+    from mlflow.utils.validation import _validate_metric_name
+
+    assert mlflow_metric_name(name) == key
+    _validate_metric_name(key)  # MLflow's own check raises on a name it refuses
+
+
+def test_long_mlflow_metric_names_are_cut_apart(tmp_path, file_store):
+    from mlflow.utils.validation import _validate_metric_name
+
+    long_a, long_b = "reward/" + "a" * 300, "reward/" + "a" * 299 + "b"
+    key_a, key_b = mlflow_metric_name(long_a), mlflow_metric_name(long_b)
+    assert len(key_a) == len(key_b) == 250 and key_a != key_b
+    assert key_a[:241] == long_a[:241] and key_a[241] == "-"
+    _validate_metric_name(key_a)
+    # logged after a trained step: renamed with a warning, never an error; two names that
+    # map to one key stay apart
+    cfg = LoggingConfig(mlflow_experiment="sat", mlflow_tracking_uri=f"file:{file_store}")
+    with RunLogger(tmp_path, trackers=[MlflowTracker(cfg, tmp_path, {}, False)]) as log:
+        with pytest.warns(UserWarning, match="is logged as"):
+            log.log(1, {long_a: 1.0, "score/": 2.0, "score": 3.0, "reward//x": 4.0})
+    logged = mlflow_files.metrics(
+        mlflow_files.run_folder(file_store, (tmp_path / MLFLOW_RUN_ID_FILE).read_text().strip())
+    )
+    assert logged[key_a] == [(1, 1.0)] and logged["reward/x"] == [(1, 4.0)]
+    assert logged["score"] == [(1, 2.0)]  # the first name to claim a key keeps it
+    assert [v for k, v in logged.items() if k.startswith("score-")] == [[(1, 3.0)]]
+    assert sorted(v for k, v in logged.items() if k.startswith("score")) == [
+        [(1, 2.0)],
+        [(1, 3.0)],
+    ]

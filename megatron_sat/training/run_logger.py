@@ -69,8 +69,9 @@ class RunLogger:
         resume_step: the step a resumed run continues from (its checkpoint's): the steps a
             crashed run logged after it are dropped from ``metrics.jsonl`` and purged from the
             TensorBoard events (``SummaryWriter(purge_step=...)``), since they are run again.
-        trackers: further sinks of every logged step (W&B), closed with the logger; they get
-            the float values as given (non-finite included).
+        trackers: further sinks of every logged step (W&B, MLflow), closed with the logger
+            (as failed when its ``with`` block raised); they get the float values as given
+            (non-finite included).
     """
 
     def __init__(
@@ -152,15 +153,16 @@ class RunLogger:
         os.replace(tmp_path, self.summary_path)
         return self.summary_path
 
-    def close(self) -> None:
-        """Flushes and closes both writers; calling it again does nothing."""
+    def close(self, failed: bool = False) -> None:
+        """Flushes and closes both writers and the trackers (their runs marked failed when
+        ``failed``); calling it again does nothing."""
         if self._writer is None:
             return
         self._writer.close()
         self._writer = None
         self._metrics_file.close()
         for tracker in self.trackers:
-            tracker.close()
+            tracker.close(failed)
 
     def __enter__(self) -> Self:
         return self
@@ -171,4 +173,4 @@ class RunLogger:
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        self.close()
+        self.close(failed=exc_type is not None)

@@ -4,12 +4,22 @@ MLflow when ``logging.mlflow_experiment`` is.
 A tracker receives what `RunLogger.log` writes to ``metrics.jsonl`` (the same names, the trainer
 step as its step) and is closed with the logger. ``wandb`` and ``mlflow`` are optional extras,
 imported only when configured; a configured tracker without its package is an error before
-step 1, never a silent skip.
+step 1, never a silent skip. A run that ends by an exception closes its trackers as failed
+(MLflow status FAILED, W&B exit code 1).
+
+Neither tracker can take back what it logged: after a crash, the steps between the resumed
+checkpoint and the crash are logged again by the resumed run, and ``metrics.jsonl`` keeps only
+the rerun's lines, but MLflow keeps both attempts' values at those steps (its metrics cannot be
+deleted) and W&B, whose steps only move forward, keeps the crashed attempt's and drops the
+rerun's. (W&B's ``resume_from="<run id>?_step=<step>"`` rewinds a run on the W&B server, but not
+in offline mode, so it is not used.)
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import re
 import secrets
 import time
@@ -27,6 +37,7 @@ MLFLOW_RUN_ID_FILE = "mlflow_run_id"
 _MLFLOW_METRICS_PER_BATCH = 1000
 _MLFLOW_PARAMS_PER_BATCH = 100
 _MLFLOW_NAME_BAD = re.compile(r"[^/\w.\- :]")
+_MLFLOW_KEY_LENGTH = 250  # MAX_ENTITY_KEY_LENGTH
 
 
 class Tracker(Protocol):
@@ -35,8 +46,8 @@ class Tracker(Protocol):
     def log(self, step: int, values: Mapping[str, float]) -> None:
         """Records the step's metrics (name -> float, non-finite values included)."""
 
-    def close(self) -> None:
-        """Flushes and ends the tracker's run."""
+    def close(self, failed: bool = False) -> None:
+        """Flushes and ends the tracker's run, marked failed when ``failed`` (the run raised)."""
 
 
 class WandbTracker:
@@ -87,8 +98,8 @@ class WandbTracker:
     def log(self, step: int, values: Mapping[str, float]) -> None:
         self._run.log(dict(values), step=step)
 
-    def close(self) -> None:
-        self._run.finish()
+    def close(self, failed: bool = False) -> None:
+        self._run.finish(exit_code=1 if failed else 0)
 
 
 def flat_params(config: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
@@ -104,9 +115,42 @@ def flat_params(config: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
 
 
 def mlflow_metric_name(name: str) -> str:
-    """``name`` with each character MLflow's metric names cannot hold replaced by "_" (MLflow
-    allows letters, digits, "_", "-", ".", " ", ":" and "/"; "eval/pass@4" -> "eval/pass_4")."""
-    return _MLFLOW_NAME_BAD.sub("_", name)
+    """``name`` as a metric name MLflow accepts (mlflow/utils/validation.py,
+    ``_validate_metric_name``), unchanged when it already is one.
+
+    Each character MLflow's names cannot hold becomes "_" (MLflow allows letters, digits, "_",
+    "-", ".", " ", ":" and "/"; "eval/pass@4" -> "eval/pass_4"); empty path segments are
+    dropped and a "." or ".." segment becomes "_" or "__" (MLflow refuses a name that is not its
+    own normalized path: "reward/", "reward//x", "a/../b"); an empty result is "_"; a name over
+    MLflow's 250 characters is cut and ends in "-" and 8 hex digits of its hash, so that two long
+    names stay apart.
+    """
+    segments = _MLFLOW_NAME_BAD.sub("_", name).split("/")
+    key = "/".join(seg if seg not in (".", "..") else "_" * len(seg) for seg in segments if seg)
+    key = key or "_"
+    if len(key) > _MLFLOW_KEY_LENGTH:
+        digest = hashlib.sha1(name.encode("utf-8", "surrogatepass")).hexdigest()[:8]
+        key = key[: _MLFLOW_KEY_LENGTH - 9].rstrip("/") + "-" + digest
+    return key
+
+
+def mlflow_tracking_uri(cfg: LoggingConfig) -> str:
+    """The MLflow store to log to: ``logging.mlflow_tracking_uri``, else the
+    ``MLFLOW_TRACKING_URI`` environment variable (as MLflow itself reads it).
+
+    Raises:
+        ValueError: neither is set. MLflow's own default (``sqlite:///mlflow.db`` in MLflow 3)
+            needs SQLAlchemy, which the ``[mlflow]`` extra (``mlflow-skinny``) lacks, and a
+            relative database in the working directory is not where a run's records belong.
+    """
+    uri = cfg.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI", "").strip()
+    if not uri:
+        raise ValueError(
+            f"logging.mlflow_experiment={cfg.mlflow_experiment!r} needs a tracking store: set "
+            "logging.mlflow_tracking_uri (a server, http://host:5000, or file:/path/mlruns with "
+            "MLFLOW_ALLOW_FILE_STORE=true) or the MLFLOW_TRACKING_URI environment variable"
+        )
+    return uri
 
 
 class MlflowTracker:
@@ -122,6 +166,7 @@ class MlflowTracker:
 
     Raises:
         RuntimeError: ``mlflow`` does not import (names the extra to install).
+        ValueError: no tracking store is configured (`mlflow_tracking_uri`).
         mlflow.exceptions.MlflowException: the tracking store refuses (e.g. a ``file:`` URI
             without ``MLFLOW_ALLOW_FILE_STORE=true``, which MLflow 3 asks for).
     """
@@ -138,8 +183,8 @@ class MlflowTracker:
                 f"not import ({err}): pip install -e .[mlflow], or set "
                 "logging.mlflow_experiment=null"
             ) from err
-        self._metric, self._renamed = Metric, set()
-        self._client = MlflowClient(tracking_uri=cfg.mlflow_tracking_uri)
+        self._metric, self._keys, self._names = Metric, {}, {}
+        self._client = MlflowClient(tracking_uri=mlflow_tracking_uri(cfg))
         id_file = Path(run_dir) / MLFLOW_RUN_ID_FILE
         params = flat_params(config)
         if resuming and id_file.exists():
@@ -174,17 +219,28 @@ class MlflowTracker:
         timestamp = int(time.time() * 1000)
         metrics = []
         for name, value in values.items():
-            key = mlflow_metric_name(name)
-            if key != name and name not in self._renamed:
-                self._renamed.add(name)
-                warnings.warn(f"MLflow metric {name!r} is logged as {key!r}", stacklevel=2)
-            metrics.append(self._metric(key, float(value), timestamp, step))
+            metrics.append(self._metric(self._key(name), float(value), timestamp, step))
         for i in range(0, len(metrics), _MLFLOW_METRICS_PER_BATCH):
             batch = metrics[i : i + _MLFLOW_METRICS_PER_BATCH]
             self._client.log_batch(self._run_id, metrics=batch)
 
-    def close(self) -> None:
-        self._client.set_terminated(self._run_id)
+    def _key(self, name: str) -> str:
+        """``name``'s MLflow key (`mlflow_metric_name`), warned about once when it differs;
+        a key another name already has gets that name's hash appended."""
+        key = self._keys.get(name)
+        if key is not None:
+            return key
+        key = mlflow_metric_name(name)
+        if self._names.get(key, name) != name:
+            digest = hashlib.sha1(name.encode("utf-8", "surrogatepass")).hexdigest()[:8]
+            key = mlflow_metric_name(f"{key[: _MLFLOW_KEY_LENGTH - 9]}-{digest}")
+        self._keys[name], self._names[key] = key, name
+        if key != name:
+            warnings.warn(f"MLflow metric {name!r} is logged as {key!r}", stacklevel=3)
+        return key
+
+    def close(self, failed: bool = False) -> None:
+        self._client.set_terminated(self._run_id, status="FAILED" if failed else "FINISHED")
 
 
 def make_trackers(
