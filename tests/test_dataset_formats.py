@@ -220,6 +220,74 @@ def test_metadata_parquet_can_not_hold_is_refused_naming_row_and_field(tmp_path)
         json_value({1: "a"}, "m", "x")
 
 
+def test_parquet_map_columns_become_objects(tmp_path):
+    # verl's extra_info written as a map<string, string>: pyarrow's default hands it out as
+    # a list of (key, value) pairs, which would reach the reward function as a list
+    row = verl_gsm8k_row(0, "q", "#### 1", "1")
+    extra = pa.array([[("split", "train"), ("idx", "7")]], type=pa.map_(pa.string(), pa.string()))
+    table = (
+        pa.Table.from_pylist([row]).drop_columns(["extra_info"]).append_column("extra_info", extra)
+    )
+    path = tmp_path / "map.parquet"
+    pq.write_table(table, path)
+    (record,) = load_prompt_dataset(path, tokenizer=build_char_tokenizer())
+    assert record.metadata["extra_info"] == {"split": "train", "idx": "7"}
+    # a map with integer keys is not JSON; a key twice is refused naming the row
+    rows = [[(1, "a")], [(2, "b")]]
+    table = pa.table({"prompt": ["p", "p"], "label": ["1", "1"]})
+    meta = pa.array(rows, type=pa.map_(pa.int64(), pa.string()))
+    pq.write_table(table.append_column("metadata", meta), path)
+    with pytest.raises(DatasetFormatError, match=r"row 1 .*field 'metadata' has the key 1"):
+        load_prompt_dataset(path)
+    meta = pa.array(
+        [[("a", "1")], [("a", "1"), ("a", "2")]], type=pa.map_(pa.string(), pa.string())
+    )
+    pq.write_table(table.append_column("metadata", meta), path)
+    with pytest.raises(
+        DatasetFormatError, match=r"map\.parquet, row 2: a map column holds a key twice"
+    ):
+        load_prompt_dataset(path)
+
+
+def test_metadata_tools_clash_and_huge_integers_name_the_row(tmp_path):
+    rows = [
+        {"q": "1", "a": "1", "t": [{"name": "f"}]},
+        {"q": "2", "a": "2", "t": [{"name": "f"}], "metadata": {"tools": "mine"}},
+    ]
+    with pytest.raises(
+        DatasetFormatError, match=r"e\.jsonl, line 2 .*metadata has its own 'tools'"
+    ):
+        load_prompt_dataset(
+            _jsonl(tmp_path / "e.jsonl", rows),
+            input_key="q",
+            label_key="a",
+            tool_key="t",
+            apply_chat_template=True,
+            tokenizer=RecordingTokenizer(),
+        )
+    path = tmp_path / "big.jsonl"
+    path.write_text(
+        '{"prompt": "a", "label": "1"}\n{"prompt": "a", "label": "1", "metadata": {"x": '
+        + "9" * 5000
+        + "}}\n"
+    )
+    with pytest.raises(DatasetFormatError, match=r"big\.jsonl, line 2: unreadable JSON \(Exceeds"):
+        load_prompt_dataset(path)
+
+
+def test_input_key_and_label_key_both_walk_into_objects(tmp_path):
+    rows = [{"x": {"q": "What?"}, "y": {"a": "1"}}]
+    (record,) = load_prompt_dataset(
+        _jsonl(tmp_path / "n.jsonl", rows), input_key="x.q", label_key="y.a"
+    )
+    assert (record.prompt, record.label) == ("What?", "1")
+    rows = [{"x.q": "What?", "a": "1"}]  # a literal dotted key cannot be named: said so
+    with pytest.raises(
+        DatasetFormatError, match=r"missing field 'x' \(the row has a key with the dots"
+    ):
+        load_prompt_dataset(_jsonl(tmp_path / "d.jsonl", rows), input_key="x.q", label_key="a")
+
+
 # ------------------------------------------------------------------ through the rollout pools
 
 

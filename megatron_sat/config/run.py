@@ -85,17 +85,20 @@ class DataConfig:
         eval_path: held-out prompts for accuracy.
         num_eval_prompts: how many held-out prompts to evaluate (first N).
         input_key: key of the prompt (slime's ``--input-key``; verl's ``data.prompt_key``):
-            a string, or chat messages. Setting it or ``label_key`` turns detection off (the
-            other one defaults to "prompt" / "label"). None: detected.
+            a string, or chat messages; dots walk into objects, e.g. "extra.question" (so a
+            key with a dot in its name cannot be named). Setting it or ``label_key`` turns
+            detection off (the other one defaults to "prompt" / "label"). None: detected.
         label_key: key of the ground truth handed to the reward (slime's ``--label-key``); dots
-            walk into objects, e.g. "reward_model.ground_truth". None: detected.
+            walk into objects, as in ``input_key``, e.g. "reward_model.ground_truth". None:
+            detected.
         metadata_key: key of each row's metadata object, handed to the reward function as
             ``sample.metadata`` (slime's ``--metadata-key``); every row must have it. None:
             rows detected as verl's give every column but the prompt; other rows (and any
             row read with ``input_key``/``label_key``) their ``metadata`` object when they have
             one, else nothing.
         tool_key: key of each row's tool schemas (slime's ``--tool-key``), rendered by the
-            chat template (``tools=``) and kept as ``metadata["tools"]``. None (unlike slime's
+            chat template (``tools=``) and kept as ``metadata["tools"]`` (a row whose metadata
+            has its own "tools" is refused). None (unlike slime's
             "tools"): no tools are read.
         apply_chat_template: null: chat-message prompts go through the tokenizer's chat
             template, string prompts are used as written; true: string prompts too, as one
@@ -556,7 +559,10 @@ class LoggingConfig:
             continues its MLflow run (the id is kept in ``<run_dir>/mlflow_run_id``).
         mlflow_tracking_uri: the tracking server or store, e.g. ``http://host:5000`` or
             ``file:/path/mlruns`` (MLflow 3 wants ``MLFLOW_ALLOW_FILE_STORE=true`` for a
-            ``file:`` store); None: MLflow's own choice (``MLFLOW_TRACKING_URI``).
+            ``file:`` store); None: the ``MLFLOW_TRACKING_URI`` environment variable, and with
+            neither set the run stops before step 1 (MLflow 3's default store,
+            ``sqlite:///mlflow.db``, needs SQLAlchemy, which ``mlflow-skinny`` lacks). A run
+            that raises ends its MLflow run FAILED (W&B: exit code 1).
         mlflow_run_name: the MLflow run's name (None: the run folder's name).
     """
 

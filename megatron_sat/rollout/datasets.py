@@ -19,7 +19,8 @@ part is. Chat-format prompts (lists of messages) become text through the tokeniz
 template with ``add_generation_prompt=True`` (plus any ``apply_chat_template_kwargs``, e.g.
 Qwen3's ``enable_thinking``). Metadata must be JSON (it travels with the sample to the trainer
 ranks and into the rollout pool's checkpoint): parquet's numpy arrays and scalars become lists
-and numbers; bytes, dates, non-string keys and non-finite floats are refused. Nothing is dropped
+and numbers, a parquet map column becomes an object (its keys must be strings, no key twice);
+bytes, dates, non-string keys and non-finite floats are refused. Nothing is dropped
 or coerced silently: a bad row raises `DatasetFormatError` (a `ValueError`) naming the file, the
 row (1-based line for jsonl, 1-based row for parquet) and the field.
 """
@@ -68,7 +69,7 @@ class _Schema:
 
     Attributes:
         name: Name used in error messages.
-        prompt_key: Top-level key of the prompt.
+        prompt_path: Keys from the row to the prompt.
         label_path: Keys from the row to the label ("reward_model.ground_truth" -> two keys).
         gsm8k_answer: The label field is a GSM8K solution ending in "#### <number>".
         metadata_is_row: The metadata is the whole row but the prompt (verl); else it is the
@@ -79,7 +80,7 @@ class _Schema:
     """
 
     name: str
-    prompt_key: str
+    prompt_path: tuple[str, ...]
     label_path: tuple[str, ...]
     gsm8k_answer: bool = False
     metadata_is_row: bool = False
@@ -87,9 +88,9 @@ class _Schema:
     metadata_required: bool = False
 
 
-_OURS = _Schema("prompt/label", "prompt", ("label",))
-_GSM8K = _Schema("GSM8K", "question", ("answer",), gsm8k_answer=True)
-_VERL = _Schema("verl", "prompt", ("reward_model", "ground_truth"), metadata_is_row=True)
+_OURS = _Schema("prompt/label", ("prompt",), ("label",))
+_GSM8K = _Schema("GSM8K", ("question",), ("answer",), gsm8k_answer=True)
+_VERL = _Schema("verl", ("prompt",), ("reward_model", "ground_truth"), metadata_is_row=True)
 
 
 def _detect_schema(first_row: dict[str, Any], where: str) -> _Schema:
@@ -117,7 +118,7 @@ def _explicit_schema(
         return None
     return _Schema(
         "explicit keys",
-        input_key or "prompt",
+        tuple((input_key or "prompt").split(".")),
         tuple((label_key or "label").split(".")),
         metadata_key=metadata_key or "metadata",
         metadata_required=metadata_key is not None,
@@ -149,6 +150,8 @@ def _iter_rows(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
                     raise DatasetFormatError(
                         f"{where}: invalid JSON ({e.msg} at column {e.colno})"
                     ) from e
+                except ValueError as e:  # e.g. an integer over Python's 4300-digit limit
+                    raise DatasetFormatError(f"{where}: unreadable JSON ({e})") from e
                 if not isinstance(row, dict):
                     raise DatasetFormatError(
                         f"{where}: expected a JSON object, got {type(row).__name__}"
@@ -158,7 +161,7 @@ def _iter_rows(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
         # Imported here so that jsonl-only users never pay for pyarrow.
         import pyarrow.parquet as pq
 
-        for row_index, row in enumerate(pq.read_table(path).to_pylist()):
+        for row_index, row in enumerate(_parquet_rows(pq.read_table(path), path)):
             yield f"{path}, row {row_index + 1}", row
     else:
         raise DatasetFormatError(
@@ -166,12 +169,38 @@ def _iter_rows(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
         )
 
 
+def _parquet_rows(table: Any, path: Path) -> list[dict[str, Any]]:
+    """The rows of the pyarrow table ``table`` as dicts; a map column's value becomes a dict
+    (pyarrow's default is a list of (key, value) pairs, which would reach the reward function
+    as a list).
+
+    Raises:
+        DatasetFormatError: a map value holds one key twice (naming the row).
+    """
+    try:
+        return table.to_pylist(maps_as_pydicts="strict")
+    except KeyError:  # pyarrow's "strict": a duplicate key; find its row
+        for row_index in range(table.num_rows):
+            try:
+                table.slice(row_index, 1).to_pylist(maps_as_pydicts="strict")
+            except KeyError as e:
+                raise DatasetFormatError(
+                    f"{path}, row {row_index + 1}: a map column holds a key twice ({e})"
+                ) from e
+        raise
+
+
 def _get_field(row: dict[str, Any], path: tuple[str, ...], where: str) -> Any:
     """Follows `path` through nested dicts; raises naming the dotted field when it is missing."""
     value: Any = row
     for depth, key in enumerate(path):
         if not isinstance(value, dict) or key not in value:
-            raise DatasetFormatError(f"{where}: missing field {'.'.join(path[: depth + 1])!r}")
+            hint = ""
+            if len(path) > 1 and ".".join(path) in row:
+                hint = " (the row has a key with the dots in its name; dots walk into objects)"
+            raise DatasetFormatError(
+                f"{where}: missing field {'.'.join(path[: depth + 1])!r}{hint}"
+            )
         value = value[key]
     return value
 
@@ -233,7 +262,7 @@ def _metadata(row: dict[str, Any], schema: _Schema, where: str) -> dict[str, Any
         return {
             key: json_value(value, key, where)
             for key, value in row.items()
-            if key != schema.prompt_key
+            if key != schema.prompt_path[0]
         }
     if schema.metadata_key not in row:
         if schema.metadata_required:
@@ -373,14 +402,16 @@ def load_prompt_dataset(
         input_key: Key of the prompt (slime's ``--input-key``, verl's ``data.prompt_key``).
             Giving it or `label_key` turns schema detection off: the prompt is read from
             `input_key` (default "prompt") and the label verbatim from `label_key` (default
-            "label"; dots walk into nested objects, e.g. "reward_model.ground_truth").
+            "label"). In both, dots walk into nested objects ("x.question",
+            "reward_model.ground_truth"), so a key with a dot in its name cannot be named.
         label_key: Key of the label, see `input_key` (slime's ``--label-key``).
         metadata_key: Key of the metadata object (slime's ``--metadata-key``), then required in
             every row. None: a detected verl row gives every column but the prompt; any other
             row (explicit keys included) its "metadata" object when it has one, else empty.
         tool_key: Key of the row's tool schemas (slime's ``--tool-key``; a list, or a JSON
             string of one), passed to the chat template as ``tools=`` and kept as
-            ``metadata["tools"]``; a row without it has no tools. None: no tools are read.
+            ``metadata["tools"]`` (a row whose metadata has its own "tools" is refused); a row
+            without it has no tools. None: no tools are read.
         apply_chat_template: None: chat-message prompts go through the chat template, string
             prompts are used as they are. True: every prompt goes through the template, a
             string prompt as one "user" message (slime's ``--apply-chat-template``). False: no
@@ -423,9 +454,15 @@ def load_prompt_dataset(
         metadata = _metadata(row, schema, where)
         tools = _tools(row, tool_key, where)
         if tools is not None:
+            if "tools" in metadata:
+                raise DatasetFormatError(
+                    f"{where}: the row's metadata has its own 'tools', which data.tool_key="
+                    f"{tool_key!r} would overwrite with the row's tool schemas; rename one"
+                )
             metadata["tools"] = tools
-        prompt_value = _get_field(row, (schema.prompt_key,), where)
-        prompt = _prompt_text(prompt_value, schema.prompt_key, where, template, tools)
+        prompt_value = _get_field(row, schema.prompt_path, where)
+        prompt_field = ".".join(schema.prompt_path)
+        prompt = _prompt_text(prompt_value, prompt_field, where, template, tools)
         records.append(PromptRecord(prompt, label, source_index, metadata))
     if not records:
         raise DatasetFormatError(f"{path}: the dataset has no rows")
