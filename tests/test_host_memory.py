@@ -39,3 +39,27 @@ def test_a_node_too_small_is_refused_naming_the_field():
     assert resolve_plan(load_config(RECIPE, ["launch.host_memory_gib=2048"]))
     with pytest.raises(ValueError, match="host_memory_gib"):
         load_config(RECIPE, ["launch.host_memory_gib=0"])
+
+
+def _host_error(overrides):
+    with pytest.raises(ValueError, match="launch.host_memory_gib=256") as err:
+        resolve_plan(load_config(RECIPE, ["launch.host_memory_gib=256", *overrides]))
+    return str(err.value).split("fixes: ")[1]
+
+
+def test_the_host_memory_error_suggests_only_the_fixes_that_apply():
+    # the recipe: sync mode, offloaded optimizer, the reference policy in host memory
+    param = resolve_plan(load_config(RECIPE)).memory.param_bytes
+    fixes = _host_error([])
+    assert f"train.reference_on_device=true (-{4 * 2 * param / GIB:.1f} GiB" in fixes
+    assert f"train.optimizer_cpu_offload=false (-{4 * 6 * param / GIB:.1f} GiB" in fixes
+    assert "only where the device has room for the optimizer state" in fixes
+    assert "rollout.lag" not in fixes  # sync mode's pool holds one batch whatever the lag
+    assert "fewer trainer ranks per node (launch.trainer_gpus_per_node" in fixes
+    lagged = _host_error(["rollout.mode=fixed_lag", "rollout.lag=2"])
+    assert "a lower rollout.lag (the pool holds lag + 1 = 3 batches" in lagged
+    assert "rollout.lag" not in _host_error(["rollout.mode=fixed_lag", "rollout.lag=0"])
+    assert "reference_on_device" not in _host_error(["train.reference_on_device=true"])
+    assert "reference_on_device" not in _host_error(["objective.kl_coef=0"])
+    no_offload = ["train.optimizer_cpu_offload=false", "launch.gpu_memory_gib=1000"]
+    assert "optimizer_cpu_offload" not in _host_error([*no_offload, "rollout.group_size=64"])

@@ -34,6 +34,8 @@ class HostMemory:
         batch_bytes: a rank's share of one batch (samples / DP x the longest sample).
         pool_bytes: the rollout pool on rank 0 at its fullest.
         ranks_per_node: trainer ranks on one node.
+        pool_batches: batches the pool holds at its fullest (1 in sync mode, ``rollout.lag``
+            + 1 in the asynchronous modes).
     """
 
     optimizer_bytes: int
@@ -41,6 +43,7 @@ class HostMemory:
     batch_bytes: int
     pool_bytes: int
     ranks_per_node: int
+    pool_batches: int = 1
 
     @property
     def per_rank_bytes(self) -> int:
@@ -78,6 +81,7 @@ def host_memory(
         batch_bytes=-(-per_batch // dp),
         pool_bytes=pool.total_bytes,
         ranks_per_node=cfg.launch.trainer_ranks_per_node,
+        pool_batches=pool.batches,
     )
 
 
@@ -95,12 +99,32 @@ def host_memory_line(memory: HostMemory) -> str:
 
 def host_memory_errors(limit_gib: float | None, memory: HostMemory) -> list[str]:
     """The node's host memory against ``launch.host_memory_gib`` (none when it is null or
-    enough)."""
+    enough), with the fixes that apply to this node: the reference policy to the device when
+    it is in host memory, a lower lag when the pool holds more than one batch (asynchronous
+    modes), the optimizer state to the device when it is offloaded, more nodes always."""
     if limit_gib is None or memory.node_bytes <= limit_gib * GIB:
         return []
+    ranks, g = memory.ranks_per_node, GIB
+    fixes = []
+    if memory.reference_bytes:
+        fixes.append(
+            f"train.reference_on_device=true (-{ranks * memory.reference_bytes / g:.1f} GiB; "
+            "the reference policy's weights then take device memory)"
+        )
+    if memory.pool_batches > 1:
+        per_batch = memory.pool_bytes / memory.pool_batches
+        fixes.append(
+            f"a lower rollout.lag (the pool holds lag + 1 = {memory.pool_batches} batches of "
+            f"{per_batch / g:.1f} GiB)"
+        )
+    if memory.optimizer_bytes:
+        fixes.append(
+            f"train.optimizer_cpu_offload=false (-{ranks * memory.optimizer_bytes / g:.1f} GiB; "
+            "only where the device has room for the optimizer state)"
+        )
+    fixes.append("fewer trainer ranks per node (launch.trainer_gpus_per_node; more nodes)")
     return [
         f"launch.host_memory_gib={limit_gib:g}: trainer node 0 needs "
-        f"{memory.node_bytes / GIB:.1f} GiB of host memory ({host_memory_line(memory)}); "
-        "turn train.reference_on_device on, lower rollout.lag, or spread the trainer over "
-        "more nodes"
+        f"{memory.node_bytes / g:.1f} GiB of host memory ({host_memory_line(memory)}); "
+        f"fixes: {'; or '.join(fixes)}"
     ]
