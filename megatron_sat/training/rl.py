@@ -34,6 +34,7 @@ import os
 import random
 import sys
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -429,6 +430,12 @@ def _prompt_sources(
     keys = cfg.data.loader_kwargs()
     train_records = load_prompt_dataset(cfg.data.train_path, tokenizer=tokenizer, **keys)
     eval_records = load_prompt_dataset(cfg.data.eval_path, tokenizer=tokenizer, **keys)
+    if len(eval_records) < cfg.data.num_eval_prompts:  # said, since the accuracy's noise grows
+        warnings.warn(
+            f"data.num_eval_prompts={cfg.data.num_eval_prompts} but {cfg.data.eval_path} holds "
+            f"{len(eval_records)} prompts: all {len(eval_records)} are evaluated",
+            stacklevel=2,
+        )
     eval_records = eval_records[: cfg.data.num_eval_prompts]
     prompts = PromptStream(train_records, cfg.train.seed)
     # The data position on resume (older checkpoints: one batch of prompts per step).
