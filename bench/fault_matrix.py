@@ -66,6 +66,18 @@ KINDS = (
 )
 
 
+def saved_steps(checkpoints: Path) -> list[int]:
+    """The rollout batches the committed run checkpoints in ``checkpoints`` hold, ascending:
+    N of ``step_N`` and of a stop's mid-batch ``step_N_mini_j`` (batch N done, part of N + 1);
+    ``step_N.tmp`` (uncommitted) and other names are left out."""
+    from megatron_sat.checkpoint.run_state import folder_position
+
+    positions = (
+        folder_position(p) for p in checkpoints.glob("step_*") if not p.name.endswith(".tmp")
+    )
+    return sorted({pos[0] for pos in positions if pos is not None})
+
+
 class _RunsCode:
     def __init__(self, marker: Path) -> None:
         self.marker = marker
@@ -450,7 +462,7 @@ def sigterm_case(init: Path, data: Path, root: Path) -> dict:
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=900)
     logged = [json.loads(x)["step"] for x in metrics.read_text().splitlines()]
-    saved = sorted(int(p.name[5:]) for p in (run / "checkpoints").glob("step_*"))
+    saved = saved_steps(run / "checkpoints")
     lost = not saved or max(logged) > saved[-1]
     named = proc.returncode == 0 and "train.resume=true" in err and "Traceback" not in err
     return case.done(

@@ -142,7 +142,7 @@ def folder_name(step: int, mini_step: int = 0) -> str:
     return f"{name}_mini_{mini_step:04d}" if mini_step else name
 
 
-def _step_of(folder: Path) -> tuple[int, int] | None:
+def folder_position(folder: Path) -> tuple[int, int] | None:
     """``(N, j)`` of ``step_N`` / ``step_N_mini_j`` (``.tmp`` or not; j = 0 for ``step_N``),
     the order of the run's checkpoints; None for other names."""
     match = _FOLDER.match(folder.name.removesuffix(".tmp"))
@@ -153,7 +153,7 @@ def _step_of(folder: Path) -> tuple[int, int] | None:
 
 def _label(folder: Path) -> str:
     """``N`` of ``step_N``, ``N+mini_j`` of ``step_N_mini_j`` (in messages)."""
-    step, mini = _step_of(folder)
+    step, mini = folder_position(folder)
     return f"{step}+mini_{mini}" if mini else str(step)
 
 
@@ -165,10 +165,10 @@ def clean_uncommitted(run_dir: str | Path) -> list[Path]:
     if not root.is_dir():
         return []
     latest = latest_run_checkpoint(run_dir)
-    committed = (-1, 0) if latest is None else _step_of(latest)
+    committed = (-1, 0) if latest is None else folder_position(latest)
     removed = []
     for folder in sorted(root.glob("step_*")):
-        step = _step_of(folder)
+        step = folder_position(folder)
         if step is None:
             continue
         if folder.name.endswith(".tmp") or step > committed:
@@ -458,7 +458,7 @@ def latest_run_checkpoint(run_dir: str | Path) -> Path | None:
     if not pointer.exists():
         return None
     name = pointer.read_text(errors="replace").strip()
-    if _step_of(Path(name)) is None or name.endswith(".tmp") or "/" in name:
+    if folder_position(Path(name)) is None or name.endswith(".tmp") or "/" in name:
         raise ValueError(f"{pointer} holds {name[:60]!r}, not the name of a step_N folder")
     return pointer.parent / name
 
@@ -468,13 +468,13 @@ def _committed(run_dir: Path) -> list[Path]:
     latest = latest_run_checkpoint(run_dir)
     if latest is None:
         return []
-    top = _step_of(latest)
+    top = folder_position(latest)
     older = [
         p
         for p in (run_dir / CHECKPOINTS).glob("step_*")
-        if not p.name.endswith(".tmp") and (_step_of(p) or top) < top and p.is_dir()
+        if not p.name.endswith(".tmp") and (folder_position(p) or top) < top and p.is_dir()
     ]
-    return [latest, *sorted(older, key=_step_of, reverse=True)]
+    return [latest, *sorted(older, key=folder_position, reverse=True)]
 
 
 def _verify(ckpt: Path) -> tuple[list[str], int]:
@@ -544,7 +544,7 @@ def _say(message: str) -> None:
 def _choose(path: Path, resume_from: int | None) -> tuple[Path, int]:
     """The verified checkpoint to load from ``path`` (a checkpoint or a run directory) and
     its format (collective). See :func:`load_run_checkpoint`."""
-    if (path / "meta.json").exists() or _step_of(path) is not None:
+    if (path / "meta.json").exists() or folder_position(path) is not None:
         if resume_from is not None:
             raise ValueError(f"resume_from={resume_from} needs a run directory, got {path}")
         problems, fmt = _verify(path)
