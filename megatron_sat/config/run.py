@@ -395,7 +395,10 @@ class TrainConfig:
     """Optimisation.
 
     Attributes:
-        num_steps: trainer (optimizer) steps.
+        num_steps: RL steps, one rollout batch each (the policy versions; ``step`` in
+            ``metrics.jsonl``, ``save_every`` and ``eval_every``); each batch is
+            `steps_per_rollout_batch` optimizer steps (1 unless ``global_batch_size`` or
+            ``num_epochs`` split it).
         micro_batch_size: samples per micro-batch (gradients accumulate over the step).
         max_tokens_per_micro_batch: token budget per micro-batch and rank instead of a fixed
             count (slime's ``max_tokens_per_gpu``): samples grouped by length, each
