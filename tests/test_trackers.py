@@ -14,6 +14,7 @@ import pytest
 import wandb_records
 
 from megatron_sat.config import LoggingConfig, load_config
+from megatron_sat.training.rl import validate_run
 from megatron_sat.training.run_logger import RunLogger
 from megatron_sat.training.trackers import (
     MLFLOW_RUN_ID_FILE,
@@ -174,6 +175,8 @@ def test_mlflow_without_a_tracking_store_is_named(tmp_path, monkeypatch, file_st
     cfg = LoggingConfig(mlflow_experiment="sat")
     with pytest.raises(ValueError, match=r"set logging\.mlflow_tracking_uri"):
         MlflowTracker(cfg, tmp_path, {}, resuming=False)
+    with pytest.raises(ValueError, match=r"set logging\.mlflow_tracking_uri"):  # before any build
+        validate_run(load_config(overrides=["logging.mlflow_experiment=sat"]))
     assert not (tmp_path / MLFLOW_RUN_ID_FILE).exists()
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"file:{file_store}")  # MLflow's own variable
     MlflowTracker(cfg, tmp_path, {}, resuming=False).close()

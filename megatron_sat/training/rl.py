@@ -87,7 +87,7 @@ from megatron_sat.training.stage_senders import (
 )
 from megatron_sat.training.step import distributed_rl_step, dp_shares, routing_diagnostic_due
 from megatron_sat.training.stop import StopRequest, resume_hint
-from megatron_sat.training.trackers import make_trackers
+from megatron_sat.training.trackers import make_trackers, mlflow_tracking_uri
 from megatron_sat.training.trainer import PolicyTrainer
 
 # Importable from here as before (tests, benches): they live in their own modules now.
@@ -195,10 +195,13 @@ def validate_run(cfg: RunConfig, world: int | None = None) -> None:
         FileNotFoundError: ``init_checkpoint`` is not an HF checkpoint directory, or a
             dataset is missing.
         ValueError: naming the config field (layout, rollout.engine=vllm without
-            rollout.server_urls) or the dataset row (length).
+            rollout.server_urls, logging.mlflow_experiment without a tracking store) or the
+            dataset row (length).
     """
     from megatron_sat.config.layout import check_train_layout
 
+    if cfg.logging.mlflow_experiment is not None:
+        mlflow_tracking_uri(cfg.logging)  # a store is named, not found at the first log
     if cfg.rollout.engine == "vllm" and not cfg.rollout.server_urls:
         raise ValueError(
             "rollout.engine=vllm needs rollout.server_urls (running vLLM servers, or the ones "
