@@ -11,8 +11,9 @@ Neither tracker can take back what it logged: after a crash, the steps between t
 checkpoint and the crash are logged again by the resumed run, and ``metrics.jsonl`` keeps only
 the rerun's lines, but MLflow keeps both attempts' values at those steps (its metrics cannot be
 deleted) and W&B, whose steps only move forward, keeps the crashed attempt's and drops the
-rerun's. (W&B's ``resume_from="<run id>?_step=<step>"`` rewinds a run on the W&B server, but not
-in offline mode, so it is not used.)
+rerun's. (W&B's ``resume_from="<run id>?_step=<step>"`` would rewind the run, but rewinding is a
+preview feature of W&B's cloud that truncates the history on the server, not available on
+Self-Managed servers nor offline, so it is not used.)
 """
 
 from __future__ import annotations
