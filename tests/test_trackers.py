@@ -195,20 +195,22 @@ def test_a_run_that_raises_ends_its_trackers_failed(tmp_path, file_store):
     )
     assert "status: 4" in (folder / "meta.yaml").read_text()  # RunStatus.FAILED
 
-    class FakeRun:
-        exit_codes: list = []
 
-        def finish(self, exit_code=None):
-            self.exit_codes.append(exit_code)
-
-    wandb_tracker = WandbTracker.__new__(WandbTracker)  # the W&B run itself is faked
-    wandb_tracker._run = FakeRun()
+@pytest.mark.slow
+def test_a_run_that_raises_ends_its_wandb_run_with_exit_code_1(tmp_path, offline):
+    cfg = LoggingConfig(wandb_project="sat")
     with pytest.raises(KeyError):
-        with RunLogger(tmp_path / "w", trackers=[wandb_tracker]):
+        with RunLogger(tmp_path, trackers=[WandbTracker(cfg, tmp_path, {}, False)]) as log:
+            log.log(1, {"a": 1.0})
             raise KeyError("x")
-    with RunLogger(tmp_path / "w2", trackers=[wandb_tracker]):
-        pass
-    assert FakeRun.exit_codes == [1, 0]
+    exits = [
+        r.exit.exit_code
+        for r in wandb_records.records(
+            _run_file(tmp_path, (tmp_path / RUN_ID_FILE).read_text().strip())
+        )
+        if r.WhichOneof("record_type") == "exit"
+    ]
+    assert exits == [1]
 
 
 @pytest.mark.parametrize(
