@@ -53,9 +53,10 @@ def plugin_dir(tmp_path, monkeypatch):
         )
     )
     (tmp_path / "broken.py").write_text("import no_such_module_xyz\n")
+    (tmp_path / "exits.py").write_text("import sys\nsys.exit(0)\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     yield tmp_path
-    for name in ("my_rewards", "broken"):
+    for name in ("my_rewards", "broken", "exits"):
         sys.modules.pop(name, None)
 
 
@@ -77,6 +78,8 @@ def test_loads_module_function_and_file_function(plugin_dir):
         ("my_rewards:not_callable", r"not_callable is not callable"),
         ("my_rewards:three_args", r"signature three_args\(prompt, response, label\); it is called"),
         ("my_rewards:keywords", r"signature keywords\(\*, prompt"),
+        # sys.exit at import ended the trainer with rc 0 and no message
+        ("exits:f", r"'exits:f': cannot import exits \(SystemExit: 0\)"),
     ],
 )
 def test_bad_plugins_get_a_clear_error(plugin_dir, spec, message):
@@ -94,6 +97,8 @@ def test_results_numbers_and_dicts_and_refusals():
         (True, r"is True \(bool\)"),
         ({"len": 3}, r"a dict without 'score': \['len'\]"),
         ({"score": 1.0, "note": "ok"}, r"entry 'note' is 'ok' \(str\)"),
+        (10**400, r"for prompt 'What is 2\+2\?' is an int of 1329 bits, past float64's"),
+        ({"score": 1.0, "n": -(10**400)}, r"entry 'n' is an int of 1329 bits"),
     ]:
         with pytest.raises(RewardPluginError, match=message):
             reward_result(bad, "f", "What is 2+2?")
@@ -152,6 +157,18 @@ def test_rollout_config_names_the_reward_fields():
         RolloutConfig(reward="python", reward_function="my_rewards.exact")
     with pytest.raises(ValueError, match="reward_timeout_s must be an int >= 1"):
         RolloutConfig(reward="python", reward_function="m:f", reward_timeout_s=0)
+    # a setting the chosen reward ignores is refused when changed from its default
+    for reward, extra, field in [
+        ("math", {"reward_timeout_s": 600}, "reward_timeout_s=600"),
+        ("math", {"reward_batch_size": 7}, "reward_batch_size=7"),
+        ("python", {"reward_batch_size": 7}, "reward_batch_size=7"),
+        ("python", {"reward_max_retries": 0}, "reward_max_retries=0"),
+    ]:
+        function = {"reward_function": "m:f"} if reward == "python" else {}
+        with pytest.raises(ValueError, match=rf"rollout.{field} is used only with rollout.reward="):
+            RolloutConfig(reward=reward, **function, **extra)
+    RolloutConfig(reward="python", reward_function="m:f", reward_timeout_s=600)
+    RolloutConfig(reward="http", reward_url="http://x", reward_batch_size=7, reward_max_retries=0)
 
 
 def test_reward_workers_run_the_plugin_with_prompt_and_metadata_and_its_timeout(plugin_dir):

@@ -69,6 +69,21 @@ def _check_reward(rollout: Any) -> None:
         raise ValueError(
             f"rollout.reward_max_retries must be >= 0, got {rollout.reward_max_retries}"
         )
+    # A value changed from its default for a reward that ignores it is a mistake (the user
+    # meant it to apply); defaults are fine whatever the reward.
+    users = {
+        "reward_batch_size": ("http",),
+        "reward_max_retries": ("http",),
+        "reward_timeout_s": ("python", "http"),
+    }
+    for name, rewards in users.items():
+        value = getattr(rollout, name)
+        default = type(rollout).__dataclass_fields__[name].default
+        if rollout.reward not in rewards and value != default:
+            raise ValueError(
+                f"rollout.{name}={value!r} is used only with rollout.reward="
+                f"{' or '.join(rewards)}, not {rollout.reward} (leave it at {default!r})"
+            )
 
 
 @dataclass

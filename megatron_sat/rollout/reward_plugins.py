@@ -121,7 +121,7 @@ def _import(target: str, spec: str):
             del sys.modules[module_name]
             raise
         return module
-    except Exception as e:
+    except (Exception, SystemExit) as e:  # sys.exit() at import would end the trainer, rc 0
         raise RewardPluginError(
             f"reward function {spec!r}: cannot import {target} ({type(e).__name__}: {e})"
         ) from e
@@ -130,7 +130,11 @@ def _import(target: str, spec: str):
 def _number(value: object, what: str) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise RewardPluginError(f"{what} is {value!r} ({type(value).__name__}), not a number")
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError as e:  # an int past float64's range, e.g. 10**400
+        bits = int(value).bit_length()
+        raise RewardPluginError(f"{what} is an int of {bits} bits, past float64's range") from e
 
 
 def reward_result(output: object, source: str, prompt: str) -> RewardResult:

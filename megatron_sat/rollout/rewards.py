@@ -186,6 +186,7 @@ class RewardWorkers:
     """
 
     MAX_TRIES = 3  # scorings of one pair before a dying worker's error is raised
+    retries = 0  # no requests to send again (RemoteReward's counter, logged per step)
 
     def __init__(
         self, num_workers: int = 2, timeout_s: int = 5, function: str | None = None
