@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -206,3 +207,55 @@ def test_submit_reward_passes_prompt_and_metadata_to_a_submitting_reward(plugin_
         assert submit_reward(w, threads, "7", plain).result() == RewardResult(1.0, {})
         # a plain callable gets (response, label) on the threads, as before
         assert submit_reward(lambda r, label: float(r == label), threads, "7", plain).result() == 1
+
+
+HANGS = """
+import time
+
+def alarm_cancelled(prompt, response, label, metadata):
+    from math_verify import parse, verify
+
+    ok = verify(parse("\\\\boxed{1}"), parse(response))  # sets and resets signal.alarm itself
+    time.sleep(float(label))
+    return float(ok)
+
+def swallows(prompt, response, label, metadata):
+    end = time.monotonic() + float(label)
+    while time.monotonic() < end:
+        try:
+            time.sleep(0.1)
+        except Exception:
+            pass
+    return 0.0
+
+def swallows_once(prompt, response, label, metadata):
+    try:
+        time.sleep(float(label))
+    except Exception:
+        pass
+    return 0.0
+"""
+
+
+@pytest.mark.parametrize("name", ["alarm_cancelled", "swallows", "swallows_once"])
+def test_a_plugin_that_defeats_the_alarm_still_times_out_and_close_does_not_hang(tmp_path, name):
+    # Before the parent's deadline: alarm_cancelled slept its 30 s and scored 1.0; swallows
+    # caught the alarm's TimeoutError and scored 0.0 after 30 s; swallows_once scored 0.0 at
+    # once (the worker's alarm caught, no error).
+    (tmp_path / "hangs.py").write_text(HANGS)
+    w = RewardWorkers(num_workers=1, timeout_s=1, function=f"{tmp_path}/hangs.py:{name}")
+    try:
+        t0 = time.monotonic()
+        slow = w.submit("\\boxed{1}", "30", "the hung one", {})
+        queued = w.submit("\\boxed{1}", "0", "queued behind it", {})
+        with pytest.raises(TimeoutError, match=r"more than 1 s .*for prompt 'the hung one'"):
+            slow.result(timeout=60)
+        assert time.monotonic() - t0 < 1 + w.DEADLINE_SLACK_S + 5  # not 30 s
+        # the call queued behind it was not charged for its wait: scored on the new pool
+        assert queued.result(timeout=60).score == (1.0 if name == "alarm_cancelled" else 0.0)
+        assert w.restarts == (0 if name == "swallows_once" else 1)
+        w.submit("\\boxed{1}", "30", "hung at close", {})
+    finally:
+        t0 = time.monotonic()
+        w.close()
+    assert time.monotonic() - t0 < 1 + w.DEADLINE_SLACK_S + 5
