@@ -127,6 +127,13 @@ def test_a_non_finite_reward_is_refused_naming_the_sample(bad):
         check_finite_rewards([_sample(7, 1.0), _sample(8, bad), _sample(9, bad)])
 
 
+def test_a_reward_past_float32_is_refused_naming_the_sample():
+    # finite in float64 but inf in the float32 advantages, where it was masked to 0 silently
+    check_finite_rewards([_sample(1, 3.0e38), _sample(2, -3.0e38)])
+    with pytest.raises(ValueError, match=r"sample 5 has reward 1e\+39, past float32's range"):
+        check_finite_rewards([_sample(4, 1.0), _sample(5, 1e39)])
+
+
 def test_reward_metrics_are_means_per_name():
     samples = [_sample(0, 1, {"a": 1.0, "b": 2.0}), _sample(1, 0, {"a": 0.0}), _sample(2, 0)]
     assert reward_metrics(samples) == {"reward/a": 0.5, "reward/b": 2.0}

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ARGUMENTS = ("prompt", "response", "label", "metadata")
+FLOAT32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max; torch not imported here
 
 
 class RewardPluginError(ValueError):
@@ -177,13 +178,21 @@ def check_finite_rewards(samples) -> None:
         samples: ``rollout.types.Sample``s with their rewards set.
 
     Raises:
-        ValueError: naming the first such sample (index, reward, prompt head).
+        ValueError: naming the first such sample (index, reward, prompt head); also for a
+            finite reward past float32's range (it would become inf in the float32 advantages
+            and be masked to advantage 0 silently).
     """
     for s in samples:
         if not math.isfinite(s.reward):
             raise ValueError(
                 f"sample {s.index} has reward {s.reward} (not finite): refused before the "
                 f"optimizer step; prompt {s.prompt[:80]!r}, response {s.response_text[:80]!r}"
+            )
+        if abs(s.reward) > FLOAT32_MAX:  # the advantages are computed in float32
+            raise ValueError(
+                f"sample {s.index} has reward {s.reward}, past float32's range (+-{FLOAT32_MAX:.4g}"
+                f"; the advantages are float32): refused before the optimizer step; prompt "
+                f"{s.prompt[:80]!r}, response {s.response_text[:80]!r}"
             )
 
 
