@@ -49,6 +49,9 @@ def plugin_dir(tmp_path, monkeypatch):
             def flexible_text(*args):
                 return "1"
 
+            def exits(prompt, response, label, metadata):
+                raise SystemExit(3)
+
             not_callable = 3
             """
         )
@@ -199,6 +202,9 @@ def test_reward_workers_run_the_plugin_with_prompt_and_metadata_and_its_timeout(
     with RewardWorkers(num_workers=1, function="my_rewards:flexible_text") as w:
         with pytest.raises(RewardPluginError, match=r"for prompt 'p3' is '1' \(str\)"):
             w.submit("7", "7", "p3", {}).result()
+    with RewardWorkers(num_workers=1, function="my_rewards:exits") as w:  # not a SystemExit here
+        with pytest.raises(RewardPluginError, match=r"raised SystemExit: 3 for prompt 'p4'"):
+            w.submit("7", "7", "p4", {}).result()
 
 
 def test_submit_reward_passes_prompt_and_metadata_to_a_submitting_reward(plugin_dir):

@@ -415,7 +415,10 @@ def _plugin_reward(
         output = reward_fn(prompt, response, label, metadata)
     except TimeoutError:
         raise
-    except Exception as e:  # the worker's traceback does not cross the process boundary
+    # SystemExit / KeyboardInterrupt too: sent back raw, they would end the trainer as if asked
+    # to (sys.exit in a plug-in is a bug of the plug-in, not a request to stop the run).
+    except (Exception, SystemExit, KeyboardInterrupt) as e:
+        # the worker's traceback does not cross the process boundary
         raise RewardPluginError(
             f"reward function {function!r} raised {type(e).__name__}: {e} "
             f"for prompt {prompt[:60]!r}"
