@@ -260,6 +260,9 @@ class RewardWorkers:
             self._leave_pool(plugin)
             self._retry(out, task, tries, executor, e)
             return
+        except BaseException:  # e.g. submitted after close(): keep the count close() waits on
+            self._leave_pool(plugin)
+            raise
         timer = None
         if plugin:
             timer = threading.Timer(
