@@ -170,6 +170,26 @@ def test_grpo_advantages_float32_equal_groups_exact_zero_and_dr_grpo():
     assert torch.equal(dr[:3], torch.zeros(3))
 
 
+def test_grpo_advantages_refuse_finite_rewards_whose_float32_statistics_overflow():
+    # Before: the squares overflowed, the inf/nan variance was masked and the whole group got
+    # advantage 0 (and -0.0) with no error.
+    ok = torch.tensor([0.0, 1.0, 1.0, 0.0])
+    rewards = torch.cat([ok, torch.tensor([1e20, 0.0, 1.0, 0.5])])
+    with pytest.raises(
+        ValueError,
+        match=r"group 1 \(samples 4..7\): rewards \[1.0000000200408773e"
+        r"\+20, 0.0, 1.0, 0.5\] overflow torch.float32 in the group mean / std",
+    ):
+        compute_grpo_advantages(rewards, 4)
+    with pytest.raises(ValueError, match=r"group 0 .*overflow torch.float32"):  # the mean
+        compute_grpo_advantages(torch.tensor([3e38, 3e38, 1.0, 0.5]), 4, normalize_std=False)
+    # ordinary rewards: by hand, 0/1 group mean 0.5, unbiased std sqrt(1/3)
+    expected = torch.tensor([-0.5, 0.5, 0.5, -0.5]) / (math.sqrt(1 / 3) + 1e-6)
+    torch.testing.assert_close(compute_grpo_advantages(ok, 4), expected, rtol=0, atol=1e-6)
+    # float64 is the wider range: the same rewards are fine there
+    assert compute_grpo_advantages(rewards.double()[4:], 4)[0] > 1.4
+
+
 def test_informative_groups_match_nonzero_advantages():
     # groups: all solved, all failed, mixed, equal up to a NaN, mixed with an inf, all NaN
     rewards = torch.tensor(

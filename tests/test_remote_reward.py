@@ -51,6 +51,13 @@ class _Handler(BaseHTTPRequestHandler):
             action = server.script.pop(0) if server.script else None
         if isinstance(action, float):
             time.sleep(action)
+        elif isinstance(action, bytes):  # this reply, as is
+            self._reply(200, action)
+            return
+        elif action == "drip":  # a valid reply, one byte per 0.2 s
+            data = json.dumps({"scores": [1.0] * len(body["items"])}).encode() + b" " * 20
+            self._reply(200, data, drip_s=0.2)
+            return
         elif isinstance(action, int):
             self._reply(action, b"scorer overloaded")
             return
@@ -60,12 +67,17 @@ class _Handler(BaseHTTPRequestHandler):
         ]
         self._reply(200, json.dumps({"scores": scores}).encode())
 
-    def _reply(self, status: int, data: bytes) -> None:
+    def _reply(self, status: int, data: bytes, drip_s: float = 0.0) -> None:
         try:
             self.send_response(status)
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
-            self.wfile.write(data)
+            if not drip_s:
+                self.wfile.write(data)
+            for i in range(len(data) if drip_s else 0):
+                self.wfile.write(data[i : i + 1])
+                self.wfile.flush()
+                time.sleep(drip_s)
         except (BrokenPipeError, ConnectionResetError):  # the client timed out and left
             pass
 
@@ -172,3 +184,37 @@ def test_open_reward_reads_the_api_key_from_the_named_variable(scorer_factory, m
     with open_reward(rollout) as reward:
         assert reward("abc", "l") == 3.0
     assert scorer.headers_seen[0]["Authorization"] == "Bearer k2"
+
+
+def test_a_dripping_reply_is_cut_off_at_the_whole_request_deadline(scorer_factory):
+    # ~45 bytes at 0.2 s each (9 s): every read is quick, the request is not. Before the
+    # whole-request deadline this waited for all of it and succeeded after ~9 s per try.
+    scorer = scorer_factory(script=["drip", "drip"])
+    with _client(scorer.url, timeout_s=1.0, max_retries=1) as reward:
+        t0 = time.monotonic()
+        with pytest.raises(
+            RemoteRewardError, match=r"failed 2 tries .*not complete within .*=1.0 s"
+        ):
+            reward.submit("r", "l", "p").result(timeout=30)
+        assert time.monotonic() - t0 < 5  # 2 tries of ~1 s (+ slack for a loaded machine)
+        assert reward.retries == 1
+
+
+@pytest.mark.parametrize("status", [408, 501, 507, 524])
+def test_408_and_every_5xx_are_retried_and_counted(scorer_factory, status):
+    scorer = scorer_factory(script=[status, status])
+    with _client(scorer.url) as reward:
+        assert reward.submit("abc", "l", "p").result(timeout=30).score == 3.0
+        assert reward.retries == 2
+    assert len(scorer.bodies) == 3
+
+
+def test_undecodable_and_out_of_range_replies_name_the_scorer(scorer_factory):
+    bigint = b'{"scores": [' + b"9" * 400 + b"]}"
+    scorer = scorer_factory(script=[b'{"scores": [1.0], "note": "\xff\xfe"}', bigint])
+    with _client(scorer.url, batch_size=1) as reward:
+        with pytest.raises(RemoteRewardError, match=r"scorer http://.*reply is not .*codec can't"):
+            reward.submit("r", "l", "p").result(timeout=30)
+        with pytest.raises(RewardPluginError, match=r"scorer http://.* prompt 'p9' is an int of "):
+            reward.submit("r", "l", "p9").result(timeout=30)
+        assert reward.retries == 0

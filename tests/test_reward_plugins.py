@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -48,14 +49,18 @@ def plugin_dir(tmp_path, monkeypatch):
             def flexible_text(*args):
                 return "1"
 
+            def exits(prompt, response, label, metadata):
+                raise SystemExit(3)
+
             not_callable = 3
             """
         )
     )
     (tmp_path / "broken.py").write_text("import no_such_module_xyz\n")
+    (tmp_path / "exits.py").write_text("import sys\nsys.exit(0)\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     yield tmp_path
-    for name in ("my_rewards", "broken"):
+    for name in ("my_rewards", "broken", "exits"):
         sys.modules.pop(name, None)
 
 
@@ -77,6 +82,8 @@ def test_loads_module_function_and_file_function(plugin_dir):
         ("my_rewards:not_callable", r"not_callable is not callable"),
         ("my_rewards:three_args", r"signature three_args\(prompt, response, label\); it is called"),
         ("my_rewards:keywords", r"signature keywords\(\*, prompt"),
+        # sys.exit at import ended the trainer with rc 0 and no message
+        ("exits:f", r"'exits:f': cannot import exits \(SystemExit: 0\)"),
     ],
 )
 def test_bad_plugins_get_a_clear_error(plugin_dir, spec, message):
@@ -94,6 +101,8 @@ def test_results_numbers_and_dicts_and_refusals():
         (True, r"is True \(bool\)"),
         ({"len": 3}, r"a dict without 'score': \['len'\]"),
         ({"score": 1.0, "note": "ok"}, r"entry 'note' is 'ok' \(str\)"),
+        (10**400, r"for prompt 'What is 2\+2\?' is an int of 1329 bits, past float64's"),
+        ({"score": 1.0, "n": -(10**400)}, r"entry 'n' is an int of 1329 bits"),
     ]:
         with pytest.raises(RewardPluginError, match=message):
             reward_result(bad, "f", "What is 2+2?")
@@ -119,6 +128,13 @@ def test_a_non_finite_reward_is_refused_naming_the_sample(bad):
     check_finite_rewards([_sample(3, 1.0), _sample(4, 0.0)])
     with pytest.raises(ValueError, match=rf"sample 8 has reward {bad} .*prompt 'prompt number 8'"):
         check_finite_rewards([_sample(7, 1.0), _sample(8, bad), _sample(9, bad)])
+
+
+def test_a_reward_past_float32_is_refused_naming_the_sample():
+    # finite in float64 but inf in the float32 advantages, where it was masked to 0 silently
+    check_finite_rewards([_sample(1, 3.0e38), _sample(2, -3.0e38)])
+    with pytest.raises(ValueError, match=r"sample 5 has reward 1e\+39, past float32's range"):
+        check_finite_rewards([_sample(4, 1.0), _sample(5, 1e39)])
 
 
 def test_reward_metrics_are_means_per_name():
@@ -152,6 +168,18 @@ def test_rollout_config_names_the_reward_fields():
         RolloutConfig(reward="python", reward_function="my_rewards.exact")
     with pytest.raises(ValueError, match="reward_timeout_s must be an int >= 1"):
         RolloutConfig(reward="python", reward_function="m:f", reward_timeout_s=0)
+    # a setting the chosen reward ignores is refused when changed from its default
+    for reward, extra, field in [
+        ("math", {"reward_timeout_s": 600}, "reward_timeout_s=600"),
+        ("math", {"reward_batch_size": 7}, "reward_batch_size=7"),
+        ("python", {"reward_batch_size": 7}, "reward_batch_size=7"),
+        ("python", {"reward_max_retries": 0}, "reward_max_retries=0"),
+    ]:
+        function = {"reward_function": "m:f"} if reward == "python" else {}
+        with pytest.raises(ValueError, match=rf"rollout.{field} is used only with rollout.reward="):
+            RolloutConfig(reward=reward, **function, **extra)
+    RolloutConfig(reward="python", reward_function="m:f", reward_timeout_s=600)
+    RolloutConfig(reward="http", reward_url="http://x", reward_batch_size=7, reward_max_retries=0)
 
 
 def test_reward_workers_run_the_plugin_with_prompt_and_metadata_and_its_timeout(plugin_dir):
@@ -174,6 +202,9 @@ def test_reward_workers_run_the_plugin_with_prompt_and_metadata_and_its_timeout(
     with RewardWorkers(num_workers=1, function="my_rewards:flexible_text") as w:
         with pytest.raises(RewardPluginError, match=r"for prompt 'p3' is '1' \(str\)"):
             w.submit("7", "7", "p3", {}).result()
+    with RewardWorkers(num_workers=1, function="my_rewards:exits") as w:  # not a SystemExit here
+        with pytest.raises(RewardPluginError, match=r"raised SystemExit: 3 for prompt 'p4'"):
+            w.submit("7", "7", "p4", {}).result()
 
 
 def test_submit_reward_passes_prompt_and_metadata_to_a_submitting_reward(plugin_dir):
@@ -189,3 +220,55 @@ def test_submit_reward_passes_prompt_and_metadata_to_a_submitting_reward(plugin_
         assert submit_reward(w, threads, "7", plain).result() == RewardResult(1.0, {})
         # a plain callable gets (response, label) on the threads, as before
         assert submit_reward(lambda r, label: float(r == label), threads, "7", plain).result() == 1
+
+
+HANGS = """
+import time
+
+def alarm_cancelled(prompt, response, label, metadata):
+    from math_verify import parse, verify
+
+    ok = verify(parse("\\\\boxed{1}"), parse(response))  # sets and resets signal.alarm itself
+    time.sleep(float(label))
+    return float(ok)
+
+def swallows(prompt, response, label, metadata):
+    end = time.monotonic() + float(label)
+    while time.monotonic() < end:
+        try:
+            time.sleep(0.1)
+        except Exception:
+            pass
+    return 0.0
+
+def swallows_once(prompt, response, label, metadata):
+    try:
+        time.sleep(float(label))
+    except Exception:
+        pass
+    return 0.0
+"""
+
+
+@pytest.mark.parametrize("name", ["alarm_cancelled", "swallows", "swallows_once"])
+def test_a_plugin_that_defeats_the_alarm_still_times_out_and_close_does_not_hang(tmp_path, name):
+    # Before the parent's deadline: alarm_cancelled slept its 30 s and scored 1.0; swallows
+    # caught the alarm's TimeoutError and scored 0.0 after 30 s; swallows_once scored 0.0 at
+    # once (the worker's alarm caught, no error).
+    (tmp_path / "hangs.py").write_text(HANGS)
+    w = RewardWorkers(num_workers=1, timeout_s=1, function=f"{tmp_path}/hangs.py:{name}")
+    try:
+        t0 = time.monotonic()
+        slow = w.submit("\\boxed{1}", "30", "the hung one", {})
+        queued = w.submit("\\boxed{1}", "0", "queued behind it", {})
+        with pytest.raises(TimeoutError, match=r"more than 1 s .*for prompt 'the hung one'"):
+            slow.result(timeout=60)
+        assert time.monotonic() - t0 < 1 + w.DEADLINE_SLACK_S + 5  # not 30 s
+        # the call queued behind it was not charged for its wait: scored on the new pool
+        assert queued.result(timeout=60).score == (1.0 if name == "alarm_cancelled" else 0.0)
+        assert w.restarts == (0 if name == "swallows_once" else 1)
+        w.submit("\\boxed{1}", "30", "hung at close", {})
+    finally:
+        t0 = time.monotonic()
+        w.close()
+    assert time.monotonic() - t0 < 1 + w.DEADLINE_SLACK_S + 5

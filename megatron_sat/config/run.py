@@ -37,7 +37,9 @@ REWARDS = ("math", "python", "http")
 
 def _check_reward(rollout: Any) -> None:
     """Validates the ``rollout.reward*`` fields: the chosen reward has what it needs, and no
-    field of another reward is set (it would be ignored)."""
+    field of another reward is set (it would be ignored): the optional ones must be unset, the
+    ones with defaults (``reward_batch_size``, ``reward_timeout_s``, ``reward_max_retries``)
+    at their defaults."""
     if rollout.reward not in REWARDS:
         raise ValueError(f"rollout.reward must be one of {REWARDS}, got {rollout.reward!r}")
     needs = {"python": "reward_function", "http": "reward_url"}
@@ -70,6 +72,21 @@ def _check_reward(rollout: Any) -> None:
         raise ValueError(
             f"rollout.reward_max_retries must be >= 0, got {rollout.reward_max_retries}"
         )
+    # A value changed from its default for a reward that ignores it is a mistake (the user
+    # meant it to apply); defaults are fine whatever the reward.
+    users = {
+        "reward_batch_size": ("http",),
+        "reward_max_retries": ("http",),
+        "reward_timeout_s": ("python", "http"),
+    }
+    for name, rewards in users.items():
+        value = getattr(rollout, name)
+        default = type(rollout).__dataclass_fields__[name].default
+        if rollout.reward not in rewards and value != default:
+            raise ValueError(
+                f"rollout.{name}={value!r} is used only with rollout.reward="
+                f"{' or '.join(rewards)}, not {rollout.reward} (leave it at {default!r})"
+            )
 
 
 @dataclass
@@ -254,11 +271,16 @@ class RolloutConfig:
             of the config. Null: no key.
         reward_batch_size: ``reward=http``: at most this many samples per request.
         reward_timeout_s: ``reward=python``: the limit of one plug-in call, whole seconds (a call
-            past it fails the run, naming the sample's prompt); ``reward=http``: the limit of one
-            request, seconds. ``reward=math``: math-verify's per-expression timeout stays 5 s.
+            past it fails the run, naming the sample's prompt; the trainer kills a worker still
+            running it 2 s later); ``reward=http``: the limit of one whole request (connect to
+            the reply's last byte), seconds. ``reward=math``: math-verify's per-expression
+            timeout stays 5 s.
         reward_max_retries: ``reward=http``: a request that fails (connection error, timeout,
-            HTTP 5xx or 429) is sent again up to this many times, with exponential backoff from
-            1 s (capped at 30 s); then the run ends with an error naming the scorer.
+            HTTP 408, 429 or any 5xx) is sent again up to this many times, with exponential
+            backoff from 1 s (capped at 30 s); then the run ends with an error naming the scorer.
+
+        A ``reward_*`` field set to a value other than its default for a reward that does not
+        use it is refused, naming it (it would be ignored).
     """
 
     engine: str = "sglang"

@@ -35,7 +35,10 @@ def compute_grpo_advantages(
         [N] tensor, dtype of `rewards` (promoted to float32 if not floating), never NaN.
 
     Raises:
-        ValueError: `rewards` not 1-D, `group_size < 1`, `N % group_size != 0`, or `eps < 0`.
+        ValueError: `rewards` not 1-D, `group_size < 1`, `N % group_size != 0`, or `eps < 0`;
+            or finite rewards whose group mean or std overflow `rewards`' dtype (e.g.
+            [1e20, 0, 1, 0.5] in float32: the squares overflow, and masking that as non-finite
+            gave the whole group advantage 0 silently), naming the group.
     """
     if rewards.dim() != 1:
         raise ValueError(f"rewards must be 1-D [N], got shape {tuple(rewards.shape)}")
@@ -57,12 +60,28 @@ def compute_grpo_advantages(
     centred = torch.where(valid, r - mean, zero)
     if normalize_std:
         var = (centred**2).sum(dim=-1, keepdim=True) / (count - 1).clamp_min(1)
+        _refuse_overflow(r, mean + var, dtype)
         adv = centred / (var.sqrt() + eps)
     else:
+        _refuse_overflow(r, mean, dtype)
         adv = centred
     # Exact zeros for constant groups
     adv = torch.where(valid & ~_constant_groups(r, valid), adv, zero)
     return adv.reshape(-1)
+
+
+def _refuse_overflow(r: Tensor, statistics: Tensor, dtype: torch.dtype) -> None:
+    """Raises for a group whose statistics ([num_groups, 1]) are not finite: its valid rewards
+    are finite, so only overflow makes them so. (Statistics in float64 would avoid it but
+    change ordinary advantages in the last bit; a reward this large is a bug to report.)"""
+    bad = ~torch.isfinite(statistics.squeeze(-1))
+    if bool(bad.any()):  # one device sync per call, once per step
+        group = int(bad.nonzero()[0, 0])
+        raise ValueError(
+            f"group {group} (samples {group * r.shape[1]}..{(group + 1) * r.shape[1] - 1}): "
+            f"rewards {r[group].tolist()} overflow {dtype} in the group mean / std; "
+            "scale the reward down"
+        )
 
 
 def _constant_groups(r: Tensor, valid: Tensor) -> Tensor:

@@ -19,12 +19,15 @@ Reply: HTTP 200 with ``{"scores": [...]}``, one entry per item, in order: a numb
 object ``{"score": <number>, "<metric>": <number>, ...}`` whose other entries are logged as
 ``reward/<metric>`` (the step's mean), as a ``rollout.reward_plugins`` function's dict is.
 
-Failures: a connection error, a timeout (``rollout.reward_timeout_s`` per request), HTTP 429 or
-5xx is retried up to ``rollout.reward_max_retries`` times, waiting 1, 2, 4, ... s (at most 30 s)
+Failures: a connection error, a timeout (``rollout.reward_timeout_s`` for the whole request,
+connect to the reply's last byte: a scorer that drips its reply is cut off too), HTTP 408, 429 or
+any 5xx is retried up to ``rollout.reward_max_retries`` times, waiting 1, 2, 4, ... s (at most 30 s)
 between tries; then every sample of the request fails with `RemoteRewardError` naming the scorer
 and the last error, which ends the run (the run checkpoint of the last saved step is untouched:
-the failing step trained nothing). Any other HTTP status and a malformed reply (not JSON, no
-``scores``, a wrong count, a non-numeric score) fail at once: retrying would not change them.
+the failing step trained nothing). Any other HTTP status and a malformed reply (not UTF-8 JSON,
+no ``scores``, a wrong count, a non-numeric score or one past float64's range) fail at once:
+retrying would not change them. Retries are counted (``RemoteReward.retries``, logged per step as
+``rollout/reward_retries``).
 """
 
 from __future__ import annotations
@@ -40,7 +43,11 @@ import httpx
 
 from megatron_sat.rollout.reward_plugins import RewardResult, reward_result
 
-RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
+
+def is_retryable(status: int) -> bool:
+    """HTTP 408 (request timeout), 429 (rate limited) and every 5xx: the scorer may answer the
+    same request later; other statuses would not change on a retry."""
+    return status in (408, 429) or 500 <= status <= 599
 
 
 class RemoteRewardError(RuntimeError):
@@ -48,7 +55,8 @@ class RemoteRewardError(RuntimeError):
 
 
 class _Retryable(Exception):
-    """A reply worth sending the request again for (HTTP 429 / 5xx)."""
+    """A reply worth sending the request again for (HTTP 408, 429, 5xx), or a request past its
+    whole-request deadline."""
 
 
 class RemoteReward:
@@ -61,7 +69,7 @@ class RemoteReward:
     Args:
         url: the scorer's URL (``rollout.reward_url``).
         batch_size: items per request, >= 1.
-        timeout_s: limit of one request (connect, send, wait, read), seconds.
+        timeout_s: limit of one whole request (connect, send, wait, read every byte), seconds.
         max_retries: further tries of a failed request, >= 0.
         api_key: sent as ``Authorization: Bearer``; None sends none.
         backoff_s, max_backoff_s: the first wait between tries and its cap, seconds (doubled
@@ -93,6 +101,7 @@ class RemoteReward:
         self.url, self.batch_size, self.max_retries = url, batch_size, max_retries
         self.backoff_s, self.max_backoff_s, self.max_wait_s = backoff_s, max_backoff_s, max_wait_s
         self.retries = 0  # requests sent again, cumulative
+        self.timeout_s = timeout_s
         self._closed = threading.Event()
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._client = httpx.Client(timeout=timeout_s, headers=headers)
@@ -160,8 +169,8 @@ class RemoteReward:
                     f"reward scorer {self.url}: closed before this request was scored{after}"
                 )
             try:
-                reply = self._client.post(self.url, json={"items": items})
-                if reply.status_code in RETRY_STATUSES:
+                reply = self._post(items)
+                if is_retryable(reply.status_code):
                     raise _Retryable(f"HTTP {reply.status_code}: {reply.text[:200]}")
             except (httpx.TransportError, _Retryable) as e:
                 last = e
@@ -179,6 +188,32 @@ class RemoteReward:
             f"{type(last).__name__}: {last}"
         )
 
+    def _post(self, items: list[dict]) -> httpx.Response:
+        """One POST, read in full within ``timeout_s`` from its start.
+
+        httpx's timeouts bound each connect / write / read on its own, so a scorer sending one
+        byte per second would never time out; the body is streamed and the deadline checked
+        between chunks (each read is also bounded by ``timeout_s``, so a request ends within
+        about twice it).
+
+        Raises:
+            _Retryable: past the deadline. httpx.TransportError: as httpx.
+        """
+        deadline = time.monotonic() + self.timeout_s
+        timeout = httpx.Timeout(self.timeout_s)
+        with self._client.stream("POST", self.url, json={"items": items}, timeout=timeout) as r:
+            chunks = []
+            for chunk in r.iter_bytes():
+                chunks.append(chunk)
+                if time.monotonic() > deadline:
+                    raise _Retryable(
+                        f"reply not complete within rollout.reward_timeout_s={self.timeout_s} s "
+                        f"({sum(map(len, chunks))} bytes read)"
+                    )
+            # the body is decoded already (gzip etc.): keep only the header naming its charset
+            headers = {"content-type": r.headers.get("content-type", "application/json")}
+            return httpx.Response(r.status_code, headers=headers, content=b"".join(chunks))
+
     def _parse(self, reply: httpx.Response, items: list[dict]) -> list[RewardResult]:
         if reply.status_code != 200:
             raise RemoteRewardError(
@@ -186,7 +221,7 @@ class RemoteReward:
             )
         try:
             scores = reply.json()["scores"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
             raise RemoteRewardError(
                 f'reward scorer {self.url}: reply is not {{"scores": [...]}} ({e}): '
                 f"{reply.text[:200]}"

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ARGUMENTS = ("prompt", "response", "label", "metadata")
+FLOAT32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max; torch not imported here
 
 
 class RewardPluginError(ValueError):
@@ -121,7 +122,7 @@ def _import(target: str, spec: str):
             del sys.modules[module_name]
             raise
         return module
-    except Exception as e:
+    except (Exception, SystemExit) as e:  # sys.exit() at import would end the trainer, rc 0
         raise RewardPluginError(
             f"reward function {spec!r}: cannot import {target} ({type(e).__name__}: {e})"
         ) from e
@@ -130,7 +131,11 @@ def _import(target: str, spec: str):
 def _number(value: object, what: str) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise RewardPluginError(f"{what} is {value!r} ({type(value).__name__}), not a number")
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError as e:  # an int past float64's range, e.g. 10**400
+        bits = int(value).bit_length()
+        raise RewardPluginError(f"{what} is an int of {bits} bits, past float64's range") from e
 
 
 def reward_result(output: object, source: str, prompt: str) -> RewardResult:
@@ -173,13 +178,21 @@ def check_finite_rewards(samples) -> None:
         samples: ``rollout.types.Sample``s with their rewards set.
 
     Raises:
-        ValueError: naming the first such sample (index, reward, prompt head).
+        ValueError: naming the first such sample (index, reward, prompt head); also for a
+            finite reward past float32's range (it would become inf in the float32 advantages
+            and be masked to advantage 0 silently).
     """
     for s in samples:
         if not math.isfinite(s.reward):
             raise ValueError(
                 f"sample {s.index} has reward {s.reward} (not finite): refused before the "
                 f"optimizer step; prompt {s.prompt[:80]!r}, response {s.response_text[:80]!r}"
+            )
+        if abs(s.reward) > FLOAT32_MAX:  # the advantages are computed in float32
+            raise ValueError(
+                f"sample {s.index} has reward {s.reward}, past float32's range (+-{FLOAT32_MAX:.4g}"
+                f"; the advantages are float32): refused before the optimizer step; prompt "
+                f"{s.prompt[:80]!r}, response {s.response_text[:80]!r}"
             )
 
 

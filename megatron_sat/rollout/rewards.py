@@ -25,8 +25,9 @@ import signal
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
-from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures import Future, InvalidStateError, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
 from math_verify import parse, verify
@@ -167,9 +168,15 @@ class RewardWorkers:
     left them running, seen here).
 
     With ``function`` (``rollout.reward=python``), each worker imports that plug-in
-    (``rollout.reward_plugins``) instead, and every call is bounded by ``timeout_s`` as a whole
-    (``signal.alarm``); a call past it raises ``TimeoutError`` naming the prompt. The plug-in is
-    also loaded and checked here first, so a bad one fails before any worker starts.
+    (``rollout.reward_plugins``) instead, and every call is bounded by ``timeout_s`` as a whole;
+    a call past it raises ``TimeoutError`` naming the prompt. Two bounds: ``signal.alarm`` in the
+    worker (cheap, the worker lives on), and a deadline ``DEADLINE_SLACK_S`` later kept by this
+    process, which kills the pool's workers and replaces the pool. The second is what holds: a
+    plug-in may cancel the alarm (math-verify's ``parse`` / ``verify`` set and reset
+    ``signal.alarm`` themselves) or swallow the ``TimeoutError`` in an ``except Exception``. So
+    that the deadline counts from a call's start, at most ``num_workers`` plug-in calls are in
+    the pool at once (the rest wait here). The plug-in is also loaded and checked here first,
+    so a bad one fails before any worker starts.
 
     Args:
         num_workers: worker processes (>= 1).
@@ -186,6 +193,8 @@ class RewardWorkers:
     """
 
     MAX_TRIES = 3  # scorings of one pair before a dying worker's error is raised
+    retries = 0  # no requests to send again (RemoteReward's counter, logged per step)
+    DEADLINE_SLACK_S = 2.0  # the parent's deadline past the worker's alarm, seconds
 
     def __init__(
         self, num_workers: int = 2, timeout_s: int = 5, function: str | None = None
@@ -202,6 +211,9 @@ class RewardWorkers:
             self.function = resolve_spec(function)
         self.restarts = 0  # pools replaced after a worker died (e.g. the OOM killer)
         self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)  # notified when a plug-in call ends
+        self._waiting: deque = deque()  # plug-in calls not yet in the pool: (out, task, tries)
+        self._in_pool = 0  # plug-in calls in the pool
         self._executor = self._new_executor()
         # Start the workers now (they import math-verify), not at the first reward.
         for warm in [self._executor.submit(int, 0) for _ in range(num_workers)]:
@@ -234,16 +246,37 @@ class RewardWorkers:
         return out
 
     def _submit_into(self, out: Future, task: tuple, tries: int) -> None:
+        plugin = len(task) > 3
         with self._lock:
+            if plugin and self._in_pool >= self.num_workers:
+                self._waiting.append((out, task, tries))
+                return
+            self._in_pool += plugin
             executor = self._executor
-        job = _timed_reward if len(task) == 3 else _plugin_reward
+        job = _plugin_reward if plugin else _timed_reward
         try:
             inner = executor.submit(job, *task)
         except BrokenProcessPool as e:
+            self._leave_pool(plugin)
             self._retry(out, task, tries, executor, e)
             return
+        except BaseException:  # e.g. submitted after close(): keep the count close() waits on
+            self._leave_pool(plugin)
+            raise
+        timer = None
+        if plugin:
+            timer = threading.Timer(
+                self.timeout_s + self.DEADLINE_SLACK_S, self._expire, (out, inner, executor, task)
+            )
+            timer.daemon = True
+            timer.start()
 
         def done(f: Future) -> None:
+            if timer is not None:
+                timer.cancel()
+            self._leave_pool(plugin)
+            if out.done():  # timed out already: the parent's deadline answered it
+                return
             error = f.exception()
             if isinstance(error, BrokenProcessPool):
                 self._retry(out, task, tries, executor, error)
@@ -254,7 +287,40 @@ class RewardWorkers:
 
         inner.add_done_callback(done)
 
+    def _leave_pool(self, plugin: bool) -> None:
+        """A plug-in call left the pool: start the next waiting one."""
+        if not plugin:
+            return
+        with self._lock:
+            self._in_pool -= 1
+            following = self._waiting.popleft() if self._waiting else None
+            self._idle.notify_all()
+        if following is not None:
+            self._submit_into(*following)
+
+    def _expire(self, out: Future, inner: Future, executor: ProcessPoolExecutor, task) -> None:
+        """The parent's deadline of one plug-in call: fail it with ``TimeoutError`` and kill
+        the pool's workers (the one running it cannot be told apart; the others' calls are
+        scored again on the replacement pool, as after any worker death)."""
+        if inner.done():
+            return
+        prompt, function = task[3], task[5]
+        try:
+            out.set_exception(
+                TimeoutError(
+                    f"reward function {function!r} took more than {self.timeout_s} s "
+                    f"(rollout.reward_timeout_s; not ended by its alarm within "
+                    f"{self.DEADLINE_SLACK_S} s more: workers killed) for prompt {prompt[:60]!r}"
+                )
+            )
+        except InvalidStateError:  # answered meanwhile
+            return
+        for process in list((executor._processes or {}).values()):  # no public handle
+            process.kill()
+
     def _retry(self, out, task, tries, broken, error) -> None:
+        if out.done():
+            return
         if tries >= self.MAX_TRIES:
             out.set_exception(error)
             return
@@ -276,8 +342,10 @@ class RewardWorkers:
         return as_reward_result(self.submit(response, label).result()).score
 
     def close(self) -> None:
-        """Stop the worker processes (after the tasks already submitted)."""
-        with self._lock:
+        """Stop the worker processes, after the tasks already submitted (each plug-in call
+        ends within its deadline, so this does not wait forever on a hung one)."""
+        with self._idle:
+            self._idle.wait_for(lambda: not self._in_pool and not self._waiting)
             executor = self._executor
         executor.shutdown(wait=True)
 
@@ -334,7 +402,10 @@ def _plugin_reward(
             any error the plug-in raised (its type and message kept, the prompt named).
     """
 
+    fired = []
+
     def expire(signum, frame):
+        fired.append(True)
         raise TimeoutError(
             f"reward function {function!r} took more than {timeout_s} s "
             f"(rollout.reward_timeout_s) for prompt {prompt[:60]!r}"
@@ -347,7 +418,10 @@ def _plugin_reward(
         output = reward_fn(prompt, response, label, metadata)
     except TimeoutError:
         raise
-    except Exception as e:  # the worker's traceback does not cross the process boundary
+    # SystemExit / KeyboardInterrupt too: sent back raw, they would end the trainer as if asked
+    # to (sys.exit in a plug-in is a bug of the plug-in, not a request to stop the run).
+    except (Exception, SystemExit, KeyboardInterrupt) as e:
+        # the worker's traceback does not cross the process boundary
         raise RewardPluginError(
             f"reward function {function!r} raised {type(e).__name__}: {e} "
             f"for prompt {prompt[:60]!r}"
@@ -355,4 +429,9 @@ def _plugin_reward(
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
+    if fired:  # the plug-in caught our TimeoutError (``except Exception``) and went on
+        raise TimeoutError(
+            f"reward function {function!r} took more than {timeout_s} s "
+            f"(rollout.reward_timeout_s) for prompt {prompt[:60]!r} (it caught the timeout)"
+        )
     return reward_result(output, function, prompt)

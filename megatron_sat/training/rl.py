@@ -753,6 +753,7 @@ class _Lead:
             "rollout/server_restarts": float(sum(self.fleet.restarts)),
             "rollout/filtered_groups": float(self.schedule.filtered_groups),
             "rollout/reward_worker_restarts": float(self.rewards.restarts),
+            "rollout/reward_retries": float(self.rewards.retries),  # remote scorer's retries
         }
         return {k: self.counted.get(k, 0.0) + v for k, v in counters.items()}
 
