@@ -48,7 +48,8 @@ def render_context(cfg, config_path: Path) -> RenderContext:
 
 def prepare_launch(cfg, out_dir: str | Path | None = None) -> PreparedLaunch:
     """Validate ``cfg`` (a RunConfig), then write ``<out_dir>/config.yaml`` (the config with
-    every override applied; fields a rule fills stay null: ``RunConfig.to_dict``) and the launcher's script (``torchrun.sh``, ``job.sbatch`` or ``mpirun.sh``), and
+    every override applied; fields a rule fills stay null: ``RunConfig.to_dict``) and the
+    launcher's script (``torchrun.sh``, ``job.sbatch`` or ``mpirun.sh``), and
     create the log directory.
 
     Args:
