@@ -64,11 +64,11 @@ def test_main_job_trains_two_steps_on_the_format(
     trained = []
 
     def recording(trainer, samples, *args, **kwargs):
-        trained.extend(samples)
-        return rl_step(trainer, samples, *args, **kwargs)
+        trained.extend(samples or [])  # None: a resumed batch (not in this run)
+        return train_batch(trainer, samples, *args, **kwargs)
 
-    rl_step = rl.distributed_rollout_batch
-    monkeypatch.setattr(rl, "distributed_rollout_batch", recording)
+    train_batch = rl.train_rollout_batch
+    monkeypatch.setattr(rl, "train_rollout_batch", recording)
     run_dir = tmp_path / "run"
     rl.run_rl(
         load_config(
