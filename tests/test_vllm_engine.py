@@ -222,7 +222,7 @@ def test_rl_steps_of_the_main_job_against_vllm(
     vLLM's per-token spans; the steps train (finite loss, lag-1 mismatch at kernel level)."""
     from megatron_sat.config import load_config
     from megatron_sat.rollout.arith import make_arith_splits
-    from megatron_sat.training import rl
+    from megatron_sat.training import mini_batches, rl
 
     train_rows, test_rows = make_arith_splits(32, 4, seed=0, max_digits=1)
     for name, rows in (("train", train_rows), ("test", test_rows)):
@@ -255,7 +255,7 @@ def test_rl_steps_of_the_main_job_against_vllm(
         ],
     )
     pushes, steps = [], []
-    real_sync, real_step = rl.sync_servers, rl.distributed_rl_step
+    real_sync, real_step = rl.sync_servers, mini_batches.distributed_rl_step
 
     def recorded_sync(fleet, pools, named_tensors, version, **options):
         report = real_sync(fleet, pools, named_tensors, version, **options)
@@ -268,7 +268,8 @@ def test_rl_steps_of_the_main_job_against_vllm(
         return real_step(trainer, samples, advantages, cfg, trainer_version, **options)
 
     monkeypatch.setattr(rl, "sync_servers", recorded_sync)
-    monkeypatch.setattr(rl, "distributed_rl_step", recorded_step)
+    # the RL loop steps through training.mini_batches (one step per batch here)
+    monkeypatch.setattr(mini_batches, "distributed_rl_step", recorded_step)
     summary = rl.run_rl(cfg)
 
     # Initial sync (version 0), then one push per step; the server holds each version, and
@@ -313,7 +314,7 @@ def test_bounded_mode_pushes_during_generation_kill_no_server(
     staleness bound."""
     from megatron_sat.config import load_config
     from megatron_sat.rollout.arith import make_arith_splits
-    from megatron_sat.training import rl
+    from megatron_sat.training import mini_batches, rl
 
     train_rows, test_rows = make_arith_splits(32, 4, seed=0, max_digits=1)
     for name, rows in (("train", train_rows), ("test", test_rows)):
@@ -347,7 +348,7 @@ def test_bounded_mode_pushes_during_generation_kill_no_server(
         ],
     )
     reports, steps = [], []
-    real_sync, real_step = rl.sync_servers, rl.distributed_rl_step
+    real_sync, real_step = rl.sync_servers, mini_batches.distributed_rl_step
 
     def recorded_sync(fleet, pools, named_tensors, version, **options):
         report = real_sync(fleet, pools, named_tensors, version, **options)
@@ -359,7 +360,8 @@ def test_bounded_mode_pushes_during_generation_kill_no_server(
         return real_step(trainer, samples, advantages, cfg, trainer_version, **options)
 
     monkeypatch.setattr(rl, "sync_servers", recorded_sync)
-    monkeypatch.setattr(rl, "distributed_rl_step", recorded_step)
+    # the RL loop steps through training.mini_batches (one step per batch here)
+    monkeypatch.setattr(mini_batches, "distributed_rl_step", recorded_step)
     rl.run_rl(cfg)
 
     assert [v for v, _, _ in reports] == list(range(5))  # the initial sync, one per step
