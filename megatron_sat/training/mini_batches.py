@@ -297,20 +297,19 @@ def distributed_rollout_batch(
 ) -> dict[str, float]:
     """Train on one rollout batch on every rank (rank 0 passes it, the others None): one
     ``distributed_rl_step`` without mini-batches (bitwise as before), else every optimizer
-    step of ``start_rollout_batch``; the global metrics (``rollout_batch_metrics``)."""
-    if not uses_mini_batches(cfg):
-        return distributed_rl_step(
-            trainer,
-            samples,
-            advantages,
-            cfg,
-            trainer_version,
-            routing_diagnostic=routing_diagnostic,
-        )
-    pending = start_rollout_batch(trainer, samples, advantages, cfg, trainer_version)
-    while pending.done < pending.num_steps:
-        run_optimizer_step(trainer, pending, cfg.objective, routing_diagnostic)
-    return rollout_batch_metrics(pending.metrics)
+    step of ``start_rollout_batch``; the global metrics (``rollout_batch_metrics``).
+    ``train_rollout_batch`` that never stops in the middle (and broadcasts no stop)."""
+    metrics, _ = train_rollout_batch(
+        trainer,
+        samples,
+        advantages,
+        cfg,
+        trainer_version,
+        routing_diagnostic=routing_diagnostic,
+        stoppable=False,
+    )
+    assert metrics is not None  # unstoppable: the batch is done
+    return metrics
 
 
 def _stop_agreed(stop: Callable[[], bool] | None) -> bool:
@@ -332,6 +331,7 @@ def train_rollout_batch(
     routing_diagnostic: bool,
     stop: Callable[[], bool] | None = None,
     pending: RolloutBatchSteps | None = None,
+    stoppable: bool = True,
 ) -> tuple[dict[str, float] | None, RolloutBatchSteps | None]:
     """``distributed_rollout_batch`` that a stop can interrupt between two optimizer steps (the
     RL loop's, on every rank: rank 0 passes the batch, the others None).
@@ -341,6 +341,7 @@ def train_rollout_batch(
             steps of the rollout batch to do; its answer is broadcast to every rank, so the
             others pass None (rank 0 too, never to stop in the middle). One step per rollout
             batch: never asked.
+        stoppable: False on every rank: never ask (no broadcast per optimizer step).
         pending: a pending batch restored from a run checkpoint (this rank's share), finished
             instead of starting one from ``samples``.
 
@@ -363,6 +364,6 @@ def train_rollout_batch(
         pending = start_rollout_batch(trainer, samples, advantages, cfg, trainer_version)
     while pending.done < pending.num_steps:
         run_optimizer_step(trainer, pending, cfg.objective, routing_diagnostic)
-        if pending.done < pending.num_steps and _stop_agreed(stop):
+        if stoppable and pending.done < pending.num_steps and _stop_agreed(stop):
             return None, pending
     return rollout_batch_metrics(pending.metrics), None
