@@ -359,24 +359,35 @@ def save_run_checkpoint(
     root = Path(run_dir) / CHECKPOINTS
     final = root / folder_name(step, mini_step)
     tmp = root / f"{final.name}.tmp"
+    state = RunState(
+        step=step,
+        weight_version=weight_version,
+        data_state=data_state or {},
+        rollout_state=rollout_state or {},
+        extra=extra or {},
+        mini_step=mini_step,
+    )
+    plain = _prepare(run_dir, state, final, tmp)
+    mine = None if pending_batch is None else to_plain(pending_batch, "pending_batch")
+    with named_disk_errors(tmp, f"run checkpoint of step {step}"):
+        _write_files(tmp, model, optimizer, (plain, mine), step, (weight_version, mini_step))
+    if _rank() == 0:
+        _commit(tmp, final, step, keep_last)
+    _barrier()
+    return final
+
+
+def _prepare(run_dir: str | Path, state: RunState, final: Path, tmp: Path) -> Any:
+    """Rank 0's checks before anything is written (a collective): ``state`` as plain data
+    (rank 0; None elsewhere), an interrupted save cleaned up, ``tmp/rng`` made. Raises the
+    same error on every rank (see :func:`save_run_checkpoint`)."""
     error: tuple[str, str] | None = None
     plain = None
     if _rank() == 0:
         try:  # before any collective, so that a bad state fails every rank alike
-            plain = to_plain(
-                asdict(
-                    RunState(
-                        step=step,
-                        weight_version=weight_version,
-                        data_state=data_state or {},
-                        rollout_state=rollout_state or {},
-                        extra=extra or {},
-                        mini_step=mini_step,
-                    )
-                )
-            )
+            plain = to_plain(asdict(state))
         except TypeError as e:
-            error = ("TypeError", f"run checkpoint of step {step}: {e}")
+            error = ("TypeError", f"run checkpoint of step {state.step}: {e}")
         clean_uncommitted(run_dir)  # a step_N (or .tmp) of an interrupted save goes first
         if error is None and final.exists():
             error = (
@@ -390,28 +401,29 @@ def save_run_checkpoint(
     error = broadcast_from_rank0(error)
     if error is not None:
         raise {"TypeError": TypeError, "FileExistsError": FileExistsError}[error[0]](error[1])
-    mine = None if pending_batch is None else to_plain(pending_batch, "pending_batch")
-    with named_disk_errors(tmp, f"run checkpoint of step {step}"):
-        _write_files(tmp, model, optimizer, (plain, mine), step, (weight_version, mini_step))
-    if _rank() == 0:
-        _at("written", step)
-        tmp.rename(final)
-        _fsync_path(root)
-        _at("renamed", step)
-        pointer = root / f".{LATEST}.tmp"
-        with open(pointer, "w") as f:
-            f.write(final.name + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(pointer, root / LATEST)  # the commit point
-        _fsync_path(root)
-        _at("committed", step)
-        if keep_last is not None:
-            done = sorted(p for p in root.glob("step_*") if not p.name.endswith(".tmp"))
-            for old in done[: max(0, len(done) - keep_last)]:
-                shutil.rmtree(old)
-    _barrier()
-    return final
+    return plain
+
+
+def _commit(tmp: Path, final: Path, step: int, keep_last: int | None) -> None:
+    """Rank 0: rename the written ``tmp`` to ``final``, point ``latest`` at it (the commit
+    point, fsynced), then keep only the newest ``keep_last`` checkpoints."""
+    root = final.parent
+    _at("written", step)
+    tmp.rename(final)
+    _fsync_path(root)
+    _at("renamed", step)
+    pointer = root / f".{LATEST}.tmp"
+    with open(pointer, "w") as f:
+        f.write(final.name + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(pointer, root / LATEST)  # the commit point
+    _fsync_path(root)
+    _at("committed", step)
+    if keep_last is not None:
+        done = sorted(p for p in root.glob("step_*") if not p.name.endswith(".tmp"))
+        for old in done[: max(0, len(done) - keep_last)]:
+            shutil.rmtree(old)
 
 
 def _write_files(tmp: Path, model, optimizer, plain, step: int, versions) -> None:
