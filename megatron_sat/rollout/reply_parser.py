@@ -1,0 +1,256 @@
+"""Worker processes that parse ``/generate`` reply bodies, so the trainer's process keeps only
+the hand-over per reply.
+
+At the paper's shape a reply is about 2 KB of JSON per token (48 layers x top-8 routes in
+base64) and its parse (``rollout.generate_reply``: the JSON less the routes, the ids and
+log-probs typed, the routes decoded) is about 1.4 s of one core per million tokens. In a thread
+of the trainer's process, as the async pool's workers ran it, that Python holds the GIL beside
+the trainer's own: bench/data_path.py measured the trainer step 2.3-2.5x slower with the pool
+parsing at full rate beside it. Here the parse runs in ``num_workers`` processes; the calling
+thread sends the body down a pipe and takes the pickled outputs back (the GIL released while
+it waits), which is what the trainer's process still pays per reply.
+
+Processes are started with ``spawn`` (never ``fork``: the trainer's process runs torch and
+threads) on the first :meth:`ReplyParser.parse`, and stopped by :meth:`ReplyParser.close`
+(or the ``with`` block). A worker that dies (killed, out of memory) fails every later call with
+:class:`ReplyParserError` naming it and its exit code: no call hangs, and no call falls back to
+parsing in the caller's thread. The parse is ``rollout.generate_reply``'s, so both places give
+the same outputs bit for bit; exceptions come back with their class and message (and the
+worker's traceback as their ``__cause__``), stage 1's raised by :meth:`ReplyParser.parse`
+itself (the client's guard refuses the body and sends the request again) and stage 2's when
+the outputs are taken (:class:`ParsedReply`).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import pickle
+import queue
+import signal
+import threading
+import traceback
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+from megatron_sat.rollout.generate_reply import ReplyRequest, parse_outputs
+from megatron_sat.rollout.sampling import GenerateOutput
+from megatron_sat.routing.wire import split_generate_reply
+
+_SPLIT, _PARSE, _OK = "split", "parse", "ok"  # which stage failed, or none
+
+
+class ReplyParserError(RuntimeError):
+    """A reply parser worker died, or the parser was used after ``close()``."""
+
+
+class RemoteTraceback(Exception):
+    """The worker's traceback of an exception raised there (set as its ``__cause__``)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+@dataclass(frozen=True)
+class ParsedReply:
+    """Stage 2's result of one reply (``rollout.generate_reply``): the outputs, or the
+    exception that stage raised, re-raised by :meth:`outputs`."""
+
+    _outputs: list[GenerateOutput] | None = None
+    _error: BaseException | None = None
+
+    def outputs(self) -> list[GenerateOutput]:
+        """The reply's outputs, unchecked by the client's guard.
+
+        Raises:
+            SGLangError (or whatever stage 2 raised): with its class and message.
+        """
+        if self._error is not None:
+            raise self._error
+        assert self._outputs is not None
+        return self._outputs
+
+
+def parse_in_thread(body: bytes | bytearray, request: ReplyRequest) -> ParsedReply:
+    """:meth:`ReplyParser.parse` in the calling thread (``rollout.reply_parse_workers`` = 0):
+    stage 1 raises here, stage 2's error comes back in the result. Same outputs."""
+    items, payloads = split_generate_reply(body)
+    try:
+        return ParsedReply(parse_outputs(items, payloads, request))
+    except Exception as e:  # handed back to the client, which raises it (ParsedReply.outputs)
+        return ParsedReply(_error=e)
+
+
+class ReplyParser:
+    """``num_workers`` processes parsing ``/generate`` bodies (module docstring); thread-safe,
+    one reply per worker at a time (a caller waits for a free worker).
+
+    Args:
+        num_workers: worker processes (>= 1; ``rollout.reply_parse_workers``).
+
+    Raises:
+        ValueError: if ``num_workers`` < 1.
+    """
+
+    def __init__(self, num_workers: int) -> None:
+        if isinstance(num_workers, bool) or num_workers < 1:
+            raise ValueError(f"reply parser needs num_workers >= 1, got {num_workers!r}")
+        self.num_workers = num_workers
+        self._lock = threading.Lock()
+        self._idle: queue.SimpleQueue[_Worker | None] = queue.SimpleQueue()
+        self._workers: list[_Worker] = []
+        self._closed = False
+        self._broken: str | None = None  # why every call now fails
+
+    def __enter__(self) -> ReplyParser:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def pids(self) -> list[int]:
+        """The workers' process ids (empty before the first parse)."""
+        return [w.process.pid for w in self._workers if w.process.pid is not None]
+
+    def parse(self, body: bytes | bytearray, request: ReplyRequest) -> ParsedReply:
+        """Parse one reply body in a worker process.
+
+        Args:
+            body: the raw HTTP body of an SGLang ``/generate`` reply.
+            request: what the parse needs of the request (prompt lengths, routing shape, ...).
+
+        Returns:
+            Stage 2's outputs or error (:class:`ParsedReply`).
+
+        Raises:
+            ValueError, TypeError, UnicodeDecodeError: stage 1's (``routing.wire``), with the
+                message the in-thread parse gives.
+            ReplyParserError: when a worker died (now or before), or after ``close()``.
+        """
+        worker = self._take()
+        try:
+            worker.conn.send(request)
+            worker.conn.send_bytes(body)
+            reply = worker.conn.recv_bytes()
+        except (EOFError, OSError) as e:
+            raise self._lost(worker, f"while parsing a reply of {len(body)} bytes") from e
+        self._idle.put(worker)
+        stage, payload, remote_tb = pickle.loads(reply)
+        if stage == _OK:
+            return ParsedReply(payload)
+        error = pickle.loads(payload)
+        error.__cause__ = RemoteTraceback(remote_tb)
+        if stage == _SPLIT:
+            raise error
+        return ParsedReply(_error=error)
+
+    def close(self) -> None:
+        """Stop the workers (each exits when its pipe closes; killed after 5 s). Idempotent."""
+        with self._lock:
+            self._closed = True
+            workers, self._workers = self._workers, []
+        self._idle.put(None)  # wakes a caller waiting for a worker
+        for worker in workers:
+            worker.conn.close()
+        for worker in workers:
+            worker.process.join(timeout=5)
+            if worker.process.is_alive():
+                worker.process.kill()
+                worker.process.join()
+
+    def _take(self) -> _Worker:
+        """A free worker (starting them on first use); raise once the parser is broken."""
+        with self._lock:
+            if self._closed:
+                raise ReplyParserError("reply parser used after close()")
+            if self._broken is None and not self._workers:
+                self._start()
+        while True:
+            if self._broken is not None:
+                raise ReplyParserError(self._broken)
+            worker = self._idle.get()
+            if worker is not None:
+                return worker
+            self._idle.put(None)  # pass the wake-up on to the next waiter
+            if self._closed:
+                raise ReplyParserError("reply parser closed while waiting for a worker")
+
+    def _start(self) -> None:
+        context = multiprocessing.get_context("spawn")
+        for index in range(self.num_workers):
+            ours, theirs = context.Pipe(duplex=True)
+            process = context.Process(
+                target=_serve, args=(theirs,), name=f"reply-parser-{index}", daemon=True
+            )
+            process.start()
+            theirs.close()  # the worker's death then reads as EOF here
+            worker = _Worker(index, process, ours)
+            self._workers.append(worker)
+            self._idle.put(worker)
+
+    def _lost(self, worker: _Worker, doing: str) -> ReplyParserError:
+        """Mark the parser broken by ``worker``'s death; the error every caller gets."""
+        if self._closed:
+            return ReplyParserError(f"reply parser closed {doing}")
+        worker.process.join(timeout=5)
+        code = worker.process.exitcode
+        with self._lock:
+            if self._broken is None:
+                self._broken = (
+                    f"reply parser worker {worker.index} (pid {worker.process.pid}) died "
+                    f"{doing} (exit code {code}; a negative code is the signal that killed "
+                    "it): the /generate replies of this pool are parsed in these processes "
+                    "(rollout.reply_parse_workers); no reply is parsed any more"
+                )
+        self._idle.put(None)
+        return ReplyParserError(self._broken)
+
+
+@dataclass
+class _Worker:
+    index: int
+    process: Any  # multiprocessing's SpawnProcess
+    conn: Connection
+
+
+def _serve(conn: Connection) -> None:
+    """A worker's loop: (request, body) in, ``(stage, result, traceback)`` out, until the
+    parent closes the pipe. Ctrl-C is the parent's to handle: the worker exits with the pipe."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    while True:
+        try:
+            request = conn.recv()
+            body = conn.recv_bytes()
+        except (EOFError, OSError):
+            return
+        conn.send_bytes(pickle.dumps(_parse_one(body, request), pickle.HIGHEST_PROTOCOL))
+
+
+def _parse_one(body: bytes, request: ReplyRequest) -> tuple[str, Any, str]:
+    try:
+        items, payloads = split_generate_reply(body)
+    except Exception as e:
+        return _SPLIT, _portable(e), traceback.format_exc()
+    try:
+        return _OK, parse_outputs(items, payloads, request), ""
+    except Exception as e:
+        return _PARSE, _portable(e), traceback.format_exc()
+
+
+def _portable(error: BaseException) -> bytes:
+    """``error`` pickled, checked to come back with its class and message; else a
+    ``ReplyParserError`` saying which exception could not cross (never a silent change)."""
+    try:
+        data = pickle.dumps(error, pickle.HIGHEST_PROTOCOL)
+        back = pickle.loads(data)
+        if type(back) is type(error) and str(back) == str(error):
+            return data
+    except Exception:  # any failure to cross is reported below
+        pass
+    return pickle.dumps(
+        ReplyParserError(
+            f"{type(error).__module__}.{type(error).__qualname__} raised in a reply parser "
+            f"worker does not pickle: {error}"
+        )
+    )
