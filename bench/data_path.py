@@ -57,16 +57,26 @@ data-parallel size 1 (every rank a TP / EP rank: the whole batch to each), the o
 (``..._dp1_serial_sends_...``); ``--nproc 4`` is the recipe's TP 4 x EP 4 layout.
 
 Overlap (``--overlap-steps``, default 20; 0 skips it): a trainer step stand-in (forward,
-backward and Adam of a small MLP, one thread) timed alone and with the pool's parse running
-beside it in a thread of the same process at full rate, as the pool's workers parse replies as
-they arrive (:func:`overlap_times`). ``overlap_step_time_ratio`` = beside / alone of the step
-time less the trainer thread's run-queue wait (goal <= 1.1): what the parse costs the trainer
-through the process they share (GIL waits, shared caches), without the core a full-rate parse
-takes on this machine's two shared cores, which a GPU node's rank 0 has to spare;
-``overlap_step_time_ratio_wall`` is the wall-clock ratio, cores included. Next to them,
-``overlap_step_time_ratio_parse_in_process`` (and ``..._wall``): the same parse in a forked
-process (the cores shared, not the GIL), to tell the GIL's share of the slowdown from the
-cores'. ``load_average`` is ``/proc/loadavg``'s 1-minute figure before and after the run.
+backward and Adam of a small MLP, one thread) timed alone and with the pool's reply path running
+beside it at full rate, as the async pool's workers take replies as they arrive
+(:func:`overlap_times`). ``overlap_step_time_ratio`` = beside / alone of the step time less the
+trainer thread's run-queue wait (goal <= 1.1) for the path as built (``rollout.reply_parse_workers``
+= 1): a thread of the trainer's process POSTs to a stand-in server in another process, reads the
+body with httpx, hands it to a ``rollout.reply_parser`` worker process and takes the outputs
+back (``SGLangClient.generate``), then builds the ``Sample``. The run-queue correction keeps what
+the reply path costs the trainer through the process they share (GIL waits, shared caches),
+without the cores the parse, the stand-in server and the machine's other jobs take on this
+machine's two shared cores, which a GPU node's rank 0 has to spare;
+``overlap_step_time_ratio_wall`` is the wall-clock ratio, cores included. In the same run:
+``..._handover`` (the bodies already in memory, handed to the worker: the path without HTTP),
+``..._parse_in_thread`` (the parse in the trainer's process, ``reply_parse_workers`` = 0: the
+path before), ``..._parse_in_process`` (the whole in-thread loop in a forked process: the
+floor), with each case's tokens per second (``overlap_parse_tokens_per_s...``: how fast it ran
+beside the trainer). What the trainer's process still pays per reply, alone: the HTTP read
+(``http_read_s_per_million_tokens``, and the calling thread's CPU seconds
+``http_read_cpu_s_per_million_tokens``: httpx reading 2 KB per token) and the hand-over
+(``handover_cpu_s_per_million_tokens``: mostly the kernel's copies, the GIL released).
+``load_average`` is ``/proc/loadavg``'s 1-minute figure before and after the run.
 
 Usage: ``python bench/data_path.py [--prompts 32 --group-size 16 --scale 16 --repeats 3]``.
 The last line is JSON.
