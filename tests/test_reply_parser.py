@@ -225,6 +225,34 @@ def test_a_killed_worker_is_named_not_waited_for():
         own.parse(body, request)
 
 
+def test_a_call_stopped_half_way_breaks_the_parser_loudly(monkeypatch):
+    """Ctrl-C (here a BaseException) between sending a body and reading its outputs leaves
+    the worker's stream out of step: later calls get a named error instead of a wrong reply or
+    a wait for a worker that never comes back."""
+    import megatron_sat.rollout.reply_parser as reply_parser
+
+    class Interrupt(BaseException):
+        pass
+
+    def interrupted(sock):
+        raise Interrupt
+
+    body = orjson.dumps(_reply(61, num_tokens=2))
+    request = ReplyRequest(URL, (7,), ROUTING)
+    with ReplyParser(1) as own:
+        own.parse(body, request)
+        real = reply_parser._recv_frame
+        monkeypatch.setattr(reply_parser, "_recv_frame", interrupted)
+        with pytest.raises(Interrupt):
+            own.parse(body, request)
+        monkeypatch.setattr(reply_parser, "_recv_frame", real)
+        error = _raised(own, body, request)
+        assert isinstance(error, ReplyParserError)
+        assert "worker 0" in str(error) and "stopped half-way through a reply (Interrupt)" in str(
+            error
+        )
+
+
 def _raised(parser: ReplyParser, body: bytes, request: ReplyRequest) -> BaseException | None:
     try:
         parser.parse(body, request)

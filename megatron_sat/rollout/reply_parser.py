@@ -7,8 +7,10 @@ log-probs typed, the routes decoded) is about 1.4 s of one core per million toke
 of the trainer's process, as the async pool's workers ran it, that Python holds the GIL beside
 the trainer's own: bench/data_path.py measured the trainer step 2.3-2.5x slower with the pool
 parsing at full rate beside it. Here the parse runs in ``num_workers`` processes; the calling
-thread sends the body down a pipe and takes the pickled outputs back (the GIL released while
-it waits), which is what the trainer's process still pays per reply.
+thread sends the body down a socket pair and takes the outputs back (pickled, less their
+routes, which it receives raw straight into their arrays): the kernel copies the bytes with the
+GIL released, and what the trainer's process still holds the GIL for per reply is the small
+unpickle (ids, log-probs, meta_info) and the client's checks.
 
 Processes are started with ``spawn`` (never ``fork``: the trainer's process runs torch and
 threads) on the first :meth:`ReplyParser.parse`, and stopped by :meth:`ReplyParser.close`
@@ -141,7 +143,10 @@ class ReplyParser:
             if stage == _OK:
                 payload = _receive_routes(worker.sock, payload)
         except (EOFError, OSError) as e:
-            raise self._lost(worker, f"while parsing a reply of {len(body)} bytes") from e
+            raise self._lost(worker, f"died while parsing a reply of {len(body)} bytes") from e
+        except BaseException as e:  # e.g. Ctrl-C half-way: the worker's stream is out of step
+            self._lost(worker, f"was stopped half-way through a reply ({type(e).__name__})")
+            raise
         self._idle.put(worker)
         if stage == _OK:
             return ParsedReply(payload)
@@ -195,18 +200,22 @@ class ReplyParser:
             self._workers.append(worker)
             self._idle.put(worker)
 
-    def _lost(self, worker: _Worker, doing: str) -> ReplyParserError:
-        """Mark the parser broken by ``worker``'s death; the error every caller gets."""
+    def _lost(self, worker: _Worker, what: str) -> ReplyParserError:
+        """Mark the parser broken by ``worker`` (dead, or stopped half-way and killed here);
+        the error every caller gets from now on."""
         if self._closed:
-            return ReplyParserError(f"reply parser closed {doing}")
-        worker.process.join(timeout=5)
+            return ReplyParserError(f"reply parser closed while worker {worker.index} {what}")
+        worker.process.join(timeout=1)
+        if worker.process.is_alive():
+            worker.process.kill()
+            worker.process.join()
         code = worker.process.exitcode
         with self._lock:
             if self._broken is None:
                 self._broken = (
-                    f"reply parser worker {worker.index} (pid {worker.process.pid}) died "
-                    f"{doing} (exit code {code}; a negative code is the signal that killed "
-                    "it): the /generate replies of this pool are parsed in these processes "
+                    f"reply parser worker {worker.index} (pid {worker.process.pid}) {what} "
+                    f"(exit code {code}; a negative code is the signal that ended it): the "
+                    "/generate replies of this pool are parsed in these processes "
                     "(rollout.reply_parse_workers); no reply is parsed any more"
                 )
         self._idle.put(None)
