@@ -12,29 +12,35 @@ routes, which it receives raw straight into their arrays): the kernel copies the
 GIL released, and what the trainer's process still holds the GIL for per reply is the small
 unpickle (ids, log-probs, meta_info) and the client's checks.
 
-Processes are started with ``spawn`` (never ``fork``: the trainer's process runs torch and
-threads) on the first :meth:`ReplyParser.parse`, and stopped by :meth:`ReplyParser.close`
-(or the ``with`` block). A worker that dies (killed, out of memory) fails every later call with
-:class:`ReplyParserError` naming it and its exit code: no call hangs, and no call falls back to
-parsing in the caller's thread. The parse is ``rollout.generate_reply``'s, so both places give
-the same outputs bit for bit; exceptions come back with their class and message (and the
-worker's traceback as their ``__cause__``), stage 1's raised by :meth:`ReplyParser.parse`
-itself (the client's guard refuses the body and sends the request again) and stage 2's when
-the outputs are taken (:class:`ParsedReply`).
+Each worker is a fresh interpreter (never a ``fork``: the trainer's process runs torch and
+threads) that imports only the parse's modules: ``subprocess`` with the socket's descriptor
+passed, not ``multiprocessing``'s ``spawn``, which would import the trainer's main module (torch,
+and a user's script without a main guard would run again). They start on the first
+:meth:`ReplyParser.parse` and stop with :meth:`ReplyParser.close` (or the ``with`` block),
+or when the trainer's process ends (their socket closes). A worker that dies (killed, out of
+memory) fails every later call with :class:`ReplyParserError` naming it and its exit code: no
+call hangs, and no call falls back to parsing in the caller's thread. The parse is
+``rollout.generate_reply``'s, so both places give the same outputs bit for bit; exceptions come
+back with their class and message (and the worker's traceback as their ``__cause__``), stage
+1's raised by :meth:`ReplyParser.parse` itself (the client's guard refuses the body and sends
+the request again) and stage 2's when the outputs are taken (:class:`ParsedReply`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import multiprocessing
+import os
 import pickle
 import queue
 import signal
 import socket
 import struct
+import subprocess
+import sys
 import threading
 import traceback
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -118,7 +124,7 @@ class ReplyParser:
     @property
     def pids(self) -> list[int]:
         """The workers' process ids (empty before the first parse)."""
-        return [w.process.pid for w in self._workers if w.process.pid is not None]
+        return [w.process.pid for w in self._workers]
 
     def parse(self, body: bytes | bytearray, request: ReplyRequest) -> ParsedReply:
         """Parse one reply body in a worker process.
@@ -165,10 +171,7 @@ class ReplyParser:
         for worker in workers:
             worker.sock.close()
         for worker in workers:
-            worker.process.join(timeout=5)
-            if worker.process.is_alive():
-                worker.process.kill()
-                worker.process.join()
+            _end(worker.process, timeout_s=5)
 
     def _take(self) -> _Worker:
         """A free worker (starting them on first use); raise once the parser is broken."""
@@ -188,13 +191,17 @@ class ReplyParser:
                 raise ReplyParserError("reply parser closed while waiting for a worker")
 
     def _start(self) -> None:
-        context = multiprocessing.get_context("spawn")
+        # The package's root first on the worker's path, as it is importable here.
+        root = str(Path(__file__).resolve().parents[2])
+        path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
         for index in range(self.num_workers):
             ours, theirs = socket.socketpair()
-            process = context.Process(
-                target=_serve, args=(theirs,), name=f"reply-parser-{index}", daemon=True
+            process = subprocess.Popen(
+                [sys.executable, "-c", _WORKER_MAIN, str(theirs.fileno())],
+                pass_fds=(theirs.fileno(),),
+                stdin=subprocess.DEVNULL,
+                env={**os.environ, "PYTHONPATH": path},
             )
-            process.start()
             theirs.close()  # the worker's death then reads as EOF here
             worker = _Worker(index, process, ours)
             self._workers.append(worker)
@@ -205,11 +212,7 @@ class ReplyParser:
         the error every caller gets from now on."""
         if self._closed:
             return ReplyParserError(f"reply parser closed while worker {worker.index} {what}")
-        worker.process.join(timeout=1)
-        if worker.process.is_alive():
-            worker.process.kill()
-            worker.process.join()
-        code = worker.process.exitcode
+        code = _end(worker.process, timeout_s=1)
         with self._lock:
             if self._broken is None:
                 self._broken = (
@@ -225,8 +228,28 @@ class ReplyParser:
 @dataclass
 class _Worker:
     index: int
-    process: Any  # multiprocessing's SpawnProcess
+    process: subprocess.Popen
     sock: socket.socket
+
+
+# A worker's main: serve on the socket whose descriptor is argv[1].
+_WORKER_MAIN = (
+    "import sys; from megatron_sat.rollout.reply_parser import serve_fd; serve_fd(int(sys.argv[1]))"
+)
+
+
+def _end(process: subprocess.Popen, timeout_s: float) -> int:
+    """Wait up to ``timeout_s`` for ``process`` to exit, then kill it; its exit code."""
+    try:
+        return process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        return process.wait()
+
+
+def serve_fd(fd: int) -> None:
+    """A worker process's entry point: :func:`_serve` on the inherited socket ``fd``."""
+    _serve(socket.socket(fileno=fd))
 
 
 # The wire between the caller and a worker: length-prefixed frames on a socket pair, and the
