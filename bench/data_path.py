@@ -57,16 +57,26 @@ data-parallel size 1 (every rank a TP / EP rank: the whole batch to each), the o
 (``..._dp1_serial_sends_...``); ``--nproc 4`` is the recipe's TP 4 x EP 4 layout.
 
 Overlap (``--overlap-steps``, default 20; 0 skips it): a trainer step stand-in (forward,
-backward and Adam of a small MLP, one thread) timed alone and with the pool's parse running
-beside it in a thread of the same process at full rate, as the pool's workers parse replies as
-they arrive (:func:`overlap_times`). ``overlap_step_time_ratio`` = beside / alone of the step
-time less the trainer thread's run-queue wait (goal <= 1.1): what the parse costs the trainer
-through the process they share (GIL waits, shared caches), without the core a full-rate parse
-takes on this machine's two shared cores, which a GPU node's rank 0 has to spare;
-``overlap_step_time_ratio_wall`` is the wall-clock ratio, cores included. Next to them,
-``overlap_step_time_ratio_parse_in_process`` (and ``..._wall``): the same parse in a forked
-process (the cores shared, not the GIL), to tell the GIL's share of the slowdown from the
-cores'. ``load_average`` is ``/proc/loadavg``'s 1-minute figure before and after the run.
+backward and Adam of a small MLP, one thread) timed alone and with the pool's reply path running
+beside it at full rate, as the async pool's workers take replies as they arrive
+(:func:`overlap_times`). ``overlap_step_time_ratio`` = beside / alone of the step time less the
+trainer thread's run-queue wait (goal <= 1.1) for the path as built (``rollout.reply_parse_workers``
+= 1): a thread of the trainer's process POSTs to a stand-in server in another process, reads the
+body with httpx, hands it to a ``rollout.reply_parser`` worker process and takes the outputs
+back (``SGLangClient.generate``), then builds the ``Sample``. The run-queue correction keeps what
+the reply path costs the trainer through the process they share (GIL waits, shared caches),
+without the cores the parse, the stand-in server and the machine's other jobs take on this
+machine's two shared cores, which a GPU node's rank 0 has to spare;
+``overlap_step_time_ratio_wall`` is the wall-clock ratio, cores included. In the same run:
+``..._handover`` (the bodies already in memory, handed to the worker: the path without HTTP),
+``..._parse_in_thread`` (the parse in the trainer's process, ``reply_parse_workers`` = 0: the
+path before), ``..._parse_in_process`` (the whole in-thread loop in a forked process: the
+floor), with each case's tokens per second (``overlap_parse_tokens_per_s...``: how fast it ran
+beside the trainer). What the trainer's process still pays per reply, alone: the HTTP read
+(``http_read_s_per_million_tokens``, and the calling thread's CPU seconds
+``http_read_cpu_s_per_million_tokens``: httpx reading 2 KB per token) and the hand-over
+(``handover_cpu_s_per_million_tokens``: mostly the kernel's copies, the GIL released).
+``load_average`` is ``/proc/loadavg``'s 1-minute figure before and after the run.
 
 Usage: ``python bench/data_path.py [--prompts 32 --group-size 16 --scale 16 --repeats 3]``.
 The last line is JSON.
@@ -84,6 +94,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -228,11 +239,15 @@ def bench_client():
     return _CLIENT[0]
 
 
-def to_samples(bodies, prompts: np.ndarray, layers: int):
+def to_samples(bodies, prompts: np.ndarray, layers: int, parser=None):
     """Parse the bodies as the client does and build ``Sample`` objects as the pools do (prompt
     ids synthetic): ``routing.wire.split_generate_reply`` (the routes decoded from views of
     the body), ``SGLangClient.outputs`` (the output checks, the route decode, the protocol
-    guard) and ``rollout.pool.token_versions``."""
+    guard) and ``rollout.pool.token_versions``. With ``parser`` (a
+    ``rollout.reply_parser.ReplyParser``), the split and the outputs' parse run in its worker
+    process, as ``SGLangClient.generate`` runs them with ``reply_parser``; the guard's checks
+    stay here."""
+    from megatron_sat.rollout.generate_reply import ReplyRequest
     from megatron_sat.rollout.pool import token_versions
     from megatron_sat.rollout.sampling import RoutingSpec
     from megatron_sat.routing.wire import split_generate_reply
@@ -241,9 +256,13 @@ def to_samples(bodies, prompts: np.ndarray, layers: int):
     routing = RoutingSpec(num_layers=layers, top_k=TOP_K, num_experts=NUM_EXPERTS)
     samples = []
     for i, (raw, p) in enumerate(zip(bodies, prompts.tolist(), strict=True)):
-        items, payloads = split_generate_reply(raw)
-        (out,) = client.outputs(items, payloads, [p], routing=routing)
-        del items, payloads
+        if parser is None:
+            items, payloads = split_generate_reply(raw)
+            (out,) = client.outputs(items, payloads, [p], routing=routing)
+            del items, payloads
+        else:
+            request = ReplyRequest(client.base_url, (p,), routing)
+            (out,) = [client.guard.check_output(o) for o in parser.parse(raw, request).outputs()]
         versions = token_versions(out, client.base_url)
         samples.append(
             _sample(i, p, out.output_ids, out.output_token_logprobs, versions, out.routed_experts)
@@ -522,32 +541,151 @@ def _runqueue_wait_s() -> float | None:
         return None
 
 
-def overlap_times(bodies, prompts: np.ndarray, layers: int, steps: int, repeats: int) -> dict:
-    """Trainer step time alone and with the pool's parse running beside it at full rate.
+def _serve_bodies(bodies: list[bytes], ready) -> None:
+    """A stand-in SGLang server (another process, spawned): every POST /generate is answered
+    with the next body of ``bodies`` in turn (HTTP/1.1, kept alive, Content-Length); the port
+    goes to ``ready``."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    The parse runs as the pool runs it: in a thread of the trainer's process
-    (``rollout.async_pool`` workers call the client, which parses each reply as it arrives),
-    looping over the bodies without pause (``parsed_tokens``: how much it got through while the
-    trainer stepped); then, for comparison, in a forked process (no GIL shared). Alone and
-    beside alternate ``repeats`` times (median of each), so load from elsewhere on the machine
-    falls on all.
+    turn = [0]
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_POST(self) -> None:  # http.server's name
+            self.rfile.read(int(self.headers["Content-Length"]))
+            body = bodies[turn[0] % len(bodies)]
+            turn[0] += 1
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    ready.put(server.server_address[1])
+    server.serve_forever()
+
+
+class _HTTPReplies:
+    """The pool worker's path per reply, against :func:`_serve_bodies` in another process:
+    ``SGLangClient.generate`` (the POST, the body read by httpx under the guard's cap, the parse
+    by ``parser``, the guard's checks), then ``token_versions`` and the ``Sample``, as
+    ``rollout.async_pool.workers`` does."""
+
+    def __init__(self, bodies: list[bytes], prompts: list[int], layers: int) -> None:
+        import multiprocessing
+
+        from megatron_sat.rollout.client import SGLangClient
+        from megatron_sat.rollout.sampling import RoutingSpec
+
+        context = multiprocessing.get_context("spawn")
+        ready = context.Queue()
+        self.server = context.Process(target=_serve_bodies, args=(bodies, ready), daemon=True)
+        self.server.start()
+        self.client = SGLangClient(f"http://127.0.0.1:{ready.get(timeout=120)}")
+        self.client.guard.pushed_version = 3
+        self.prompts = prompts
+        self.news = [len(orjson.loads(b)["output_ids"]) for b in bodies]
+        self.tokens = sum(prompts) + sum(self.news)
+        self.routing = RoutingSpec(num_layers=layers, top_k=TOP_K, num_experts=NUM_EXPERTS)
+
+    def one_pass(self, parser) -> None:
+        """Every body once, in the server's order."""
+        from megatron_sat.rollout.pool import token_versions
+        from megatron_sat.rollout.sampling import SamplingParams
+
+        for i, (p, r) in enumerate(zip(self.prompts, self.news, strict=True)):
+            (out,) = self.client.generate(
+                [1] * p,
+                SamplingParams(max_new_tokens=r),
+                routing=self.routing,
+                reply_parser=parser,
+            )
+            versions = token_versions(out, self.client.base_url)
+            _sample(i, p, out.output_ids, out.output_token_logprobs, versions, out.routed_experts)
+
+    def read_cpu_s(self, passes: int) -> tuple[float, float]:
+        """(wall, this thread's CPU) seconds of ``passes`` passes of the POST and the body's
+        read alone (no parse): what the trainer's process pays for the HTTP per reply."""
+        wall, cpu = time.perf_counter(), time.thread_time()
+        for _ in range(passes):
+            for p in self.prompts:
+                reply = self.client._request("POST", "/generate", {"input_ids": [1] * p})
+                assert reply.content
+        return time.perf_counter() - wall, time.thread_time() - cpu
+
+    def close(self) -> None:
+        self.client.close()
+        self.server.kill()
+        self.server.join()
+
+
+def _beside_thread(loop) -> tuple[Callable[[], None], list[int]]:
+    """Start ``loop()`` over and over in a thread; returns (stop it, passes counter)."""
+    import threading
+
+    stop, passes = threading.Event(), [0]
+
+    def run() -> None:
+        while not stop.is_set():
+            loop()
+            passes[0] += 1
+
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    time.sleep(0.05)  # the parse is running when the steps start
+
+    def halt() -> None:
+        stop.set()
+        worker.join()
+
+    return halt, passes
+
+
+def overlap_times(bodies, prompts: np.ndarray, layers: int, steps: int, repeats: int) -> dict:
+    """Trainer step time alone and with the pool's reply path running beside it at full rate.
+
+    The cases, alternated ``repeats`` times (median of each) so that load from elsewhere on the
+    machine falls on all:
+
+    - ``beside``: the path as built (``rollout.async_pool`` with ``reply_parse_workers`` = 1):
+      a thread of the trainer's process does what a pool worker does per reply, over HTTP
+      from a stand-in server in another process (:class:`_HTTPReplies`): the POST, the body
+      read by httpx, the parse in a ``rollout.reply_parser.ReplyParser`` worker process, the
+      guard's checks and the ``Sample``;
+    - ``beside_handover``: the same without the HTTP: the bodies already in memory handed to
+      the worker process and the outputs taken back (:func:`to_samples` with the parser);
+    - ``beside_thread``: the parse in that thread itself (``reply_parse_workers`` = 0, the path
+      before it: a GIL shared with the trainer);
+    - ``beside_process``: the whole in-thread loop in a forked process (no GIL shared, no
+      hand-over: the floor).
+
+    ``parsed_tokens``: how much the beside thread got through while the trainer stepped.
 
     Two step times per timing: the wall time, and the wall time less the trainer thread's
     run-queue wait (``/proc/thread-self/schedstat``: time it was ready to run while every core
-    ran something else: the parse, or the machine's other jobs). The second keeps what the
-    parse costs the trainer through the shared process (waits for the GIL, which the thread
-    sleeps through, and a slower CPU from shared caches) and leaves out the cores it takes:
-    on the 2 shared cores of a loaded machine a full-rate parse takes a core share from the
-    trainer whatever process it runs in (Linux's autogroup gives one session's processes one
-    share), where rank 0 of a GPU node has cores to spare. A GIL wait while the parse thread
-    itself waits for a core is kept (it counts against the parse).
+    ran something else: the parse, the stand-in server, or the machine's other jobs). The second
+    keeps what the parse costs the trainer through the shared process (waits for the GIL, which
+    the thread sleeps through, and a slower CPU from shared caches) and leaves out the cores it
+    takes: on the 2 shared cores of a loaded machine a full-rate parse takes a core share from
+    the trainer whatever process it runs in (Linux's autogroup gives one session's processes
+    one share), where rank 0 of a GPU node has cores to spare. A GIL wait while the parse
+    thread itself waits for a core is kept (it counts against the parse).
     """
-    import threading
+    import multiprocessing
+
+    from megatron_sat.rollout.reply_parser import ReplyParser
 
     step = trainer_step_stand_in(0)
     for _ in range(3):
         step()
     tokens_per_pass = int(sum(prompts)) + sum(len(orjson.loads(b)["output_ids"]) for b in bodies)
+    http = _HTTPReplies(bodies[:64], prompts[:64].tolist(), layers)
+    parser = ReplyParser(1)
 
     def timed(n: int) -> tuple[float, float | None]:
         w0, t0 = _runqueue_wait_s(), time.perf_counter()
@@ -557,45 +695,50 @@ def overlap_times(bodies, prompts: np.ndarray, layers: int, steps: int, repeats:
         ready = None if w0 is None or w1 is None else w1 - w0
         return wall / n, None if ready is None else (wall - ready) / n
 
-    alone, beside, parsed, beside_process = [], [], [], []
+    loops = {
+        "beside": (lambda: http.one_pass(parser), http.tokens),
+        "beside_handover": (lambda: to_samples(bodies, prompts, layers, parser), tokens_per_pass),
+        "beside_thread": (lambda: to_samples(bodies, prompts, layers), tokens_per_pass),
+    }
+    http.one_pass(parser)  # the worker process started, the connection open
+    times: dict[str, list] = {"alone": [], **{k: [] for k in loops}, "beside_process": []}
+    parsed: dict[str, list[int]] = {k: [] for k in loops}
     for _ in range(repeats):
-        alone.append(timed(steps))
-        stop = threading.Event()
-        passes = [0]
-
-        def parse_loop(stop: threading.Event = stop, passes: list[int] = passes) -> None:
-            while not stop.is_set():
-                to_samples(bodies, prompts, layers)
-                passes[0] += 1
-
-        worker = threading.Thread(target=parse_loop, daemon=True)
-        worker.start()
-        time.sleep(0.05)  # the parse is running when the steps start
-        beside.append(timed(steps))
-        stop.set()
-        worker.join()
-        parsed.append(passes[0] * tokens_per_pass)
+        times["alone"].append(timed(steps))
+        for name, (loop, tokens) in loops.items():
+            halt, passes = _beside_thread(loop)
+            times[name].append(timed(steps))
+            halt()
+            parsed[name].append(passes[0] * tokens)
         # The same parse in a forked process: no GIL shared, only the cores.
-        import multiprocessing
-
-        halt = multiprocessing.get_context("fork").Event()
+        halt_event = multiprocessing.get_context("fork").Event()
         proc = multiprocessing.get_context("fork").Process(
-            target=_parse_until, args=(halt, bodies, prompts, layers), daemon=True
+            target=_parse_until, args=(halt_event, bodies, prompts, layers), daemon=True
         )
         proc.start()
         time.sleep(0.05)
-        beside_process.append(timed(steps))
-        halt.set()
+        times["beside_process"].append(timed(steps))
+        halt_event.set()
         proc.join()
+    # What the trainer's process pays per reply besides the hand-over: the HTTP read, alone.
+    http_wall, http_cpu = http.read_cpu_s(2)
+    c0 = time.thread_time()
+    to_samples(bodies, prompts, layers, parser)
+    handover_cpu = time.thread_time() - c0
+    http.close()
+    parser.close()
 
-    def median(times: list[tuple[float, float | None]], which: int) -> float | None:
-        values = [t[which] for t in times]
-        return None if None in values else statistics.median(values)
+    def median(values: list[tuple[float, float | None]], which: int) -> float | None:
+        picked = [t[which] for t in values]
+        return None if None in picked else statistics.median(picked)
 
-    out = {"parsed_tokens": int(statistics.median(parsed))}
-    for name, times in (("alone", alone), ("beside", beside), ("beside_process", beside_process)):
-        out[f"{name}_s"] = median(times, 0)
-        out[f"{name}_uncontended_s"] = median(times, 1)
+    out = {f"{k}_parsed_tokens": int(statistics.median(v)) for k, v in parsed.items()}
+    for name, values in times.items():
+        out[f"{name}_s"] = median(values, 0)
+        out[f"{name}_uncontended_s"] = median(values, 1)
+    out["http_read_s_per_million_tokens"] = http_wall / (2 * http.tokens) * 1e6
+    out["http_read_cpu_s_per_million_tokens"] = http_cpu / (2 * http.tokens) * 1e6
+    out["handover_cpu_s_per_million_tokens"] = handover_cpu / tokens_per_pass * 1e6
     return out
 
 
@@ -612,23 +755,43 @@ def profile_build(build, samples, top: int) -> None:
     pstats.Stats(profiler, stream=sys.stderr).sort_stats("tottime").print_stats(top)
 
 
-def overlap_figures(overlap: dict) -> dict:
+def overlap_figures(overlap: dict, steps: int) -> dict:
     """The JSON figures of :func:`overlap_times`: ``overlap_step_time_ratio`` (goal <= 1.1) is
     beside / alone of the step time less the run-queue wait (the wall ratio where schedstat is
-    missing), ``..._wall`` the wall-clock ratio, ``..._parse_in_process`` the same two with the
-    parse in a forked process."""
+    missing) for the path as built, ``..._wall`` the wall-clock ratio; the same two for the
+    hand-over without HTTP (``_handover``), the parse in the trainer's thread
+    (``_parse_in_thread``, the path before) and a forked process (``_parse_in_process``)."""
     out = {}
-    for suffix, key in (("", "beside"), ("_parse_in_process", "beside_process")):
+    cases = (
+        ("", "beside"),
+        ("_handover", "beside_handover"),
+        ("_parse_in_thread", "beside_thread"),
+        ("_parse_in_process", "beside_process"),
+    )
+    for suffix, key in cases:
         wall = overlap[f"{key}_s"] / overlap["alone_s"]
         uncontended = overlap[f"{key}_uncontended_s"]
         ratio = wall if uncontended is None else uncontended / overlap["alone_uncontended_s"]
         out[f"overlap_step_time_ratio{suffix}"] = round(ratio, 3)
         out[f"overlap_step_time_ratio{suffix}_wall"] = round(wall, 3)
     out["goal_overlap_step_time_ratio"] = 1.1
-    for key in ("alone", "beside", "beside_process"):
+    for suffix, key in (("", "beside"), ("_handover", "beside_handover")):
+        out[f"overlap_parse_tokens_per_s{suffix}"] = round(
+            overlap[f"{key}_parsed_tokens"] / (overlap[f"{key}_s"] * steps)
+        )
+    out["overlap_parse_tokens_per_s_parse_in_thread"] = round(
+        overlap["beside_thread_parsed_tokens"] / (overlap["beside_thread_s"] * steps)
+    )
+    for key in ("alone", "beside", "beside_handover", "beside_thread", "beside_process"):
         out[f"overlap_step_s_{key}"] = round(overlap[f"{key}_s"], 5)
         if overlap[f"{key}_uncontended_s"] is not None:
             out[f"overlap_step_s_{key}_uncontended"] = round(overlap[f"{key}_uncontended_s"], 5)
+    for key in (
+        "http_read_s_per_million_tokens",
+        "http_read_cpu_s_per_million_tokens",
+        "handover_cpu_s_per_million_tokens",
+    ):
+        out[key] = round(overlap[key], 3)
     return out
 
 
@@ -806,10 +969,7 @@ def main() -> None:
         "load_average": [round(load_before, 2), round(load_after, 2)],
     }
     if overlap is not None:
-        result.update(overlap_figures(overlap))
-        result["overlap_parse_tokens_per_s"] = round(
-            overlap["parsed_tokens"] / (overlap["beside_s"] * args.overlap_steps)
-        )
+        result.update(overlap_figures(overlap, args.overlap_steps))
     if not args.no_torchrun:
         ranks = run_torchrun_phase(args)
         result["torchrun_s_per_million_tokens"] = round(

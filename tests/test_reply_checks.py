@@ -1,6 +1,6 @@
 """The SGLang client's column-wise reply checks against the per-token loops they replaced.
 
-Oracles: ``_entry_logprobs_per_item`` (rollout.client) and ``ReplyGuard._name_bad_logprob``
+Oracles: ``_entry_logprobs_per_item`` (rollout.generate_reply) and ``ReplyGuard._name_bad_logprob``
 (rollout.protocol) are the per-token loops as they were before the column-wise paths, and
 ``_token_ids_per_item`` / ``_token_versions_per_token`` below restate the replaced code. Every
 input, well formed or not, must give the same result: the same values of the same types, or
@@ -16,8 +16,8 @@ import numpy as np
 import orjson
 import pytest
 
-from megatron_sat.rollout.client import (
-    SGLangError,
+from megatron_sat.rollout.engine import SGLangError
+from megatron_sat.rollout.generate_reply import (
     _entry_logprobs,
     _entry_logprobs_per_item,
     _token_ids,
@@ -46,7 +46,7 @@ def _bits(x: float) -> bytes:
 
 
 def _token_ids_per_item(values, where):
-    """rollout.client._token_ids before its column-wise path (verbatim)."""
+    """rollout.generate_reply._token_ids before its column-wise path (verbatim)."""
     if not isinstance(values, list) or not all(
         isinstance(t, int) and not isinstance(t, bool) for t in values
     ):
@@ -197,14 +197,14 @@ def test_token_versions_match_the_per_token_parse(weight_version, per_token, num
 
 def test_a_well_formed_reply_takes_the_column_wise_path(monkeypatch):
     """The loops are the fallback only: a well-formed reply never reaches them."""
-    import megatron_sat.rollout.client as client
+    import megatron_sat.rollout.generate_reply as generate_reply
 
     def loop(*args):
         raise AssertionError("the per-entry loop ran for a well-formed reply")
 
-    monkeypatch.setattr(client, "_entry_logprobs_per_item", loop)
+    monkeypatch.setattr(generate_reply, "_entry_logprobs_per_item", loop)
     monkeypatch.setattr(ReplyGuard, "_name_bad_logprob", loop)
     entries = ENTRIES["well_formed"]
-    assert client._entry_logprobs(entries, IDS, WHERE) == [-0.5, -1.25, 0.0]
+    assert generate_reply._entry_logprobs(entries, IDS, WHERE) == [-0.5, -1.25, 0.0]
     out = GenerateOutput(IDS, [-0.5, -1.25, 0.0], "stop", "0", None, 1, 3)
     assert ReplyGuard("http://s").check_output(out) is out

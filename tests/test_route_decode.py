@@ -266,42 +266,43 @@ def test_split_escaped_key_spelling_parses_as_json_does():
     assert bytes(payload) == b"AAAA" and "routed_experts" not in parsed["meta_info"]
 
 
-@pytest.mark.parametrize(
-    "body,message",
-    [
-        (b"", "reply body is not valid JSON: "),
-        (b'{"text": "a", "meta_info": {', "reply body is not valid JSON: "),
-        (
-            b'{"meta_info": {"routed_experts": "AAAA", }}',
-            "reply body is not valid JSON: ",
-        ),
-        (
-            b'{"meta_info": {"routed_experts": "AAAA',
-            "routed_experts value at byte 34 is not terminated",
-        ),
-        (
-            b'{"meta_info": {"routed_experts": "AA\\"AA"}}',
-            "routed_experts value at byte 34 holds a backslash: not base64",
-        ),
-        (b'{"meta_info": {"routed_experts": 7}}', "reply: meta_info.routed_experts is a JSON int"),
-        (b'{"meta_info": [1]}', "reply: meta_info is a JSON list, not an object"),
-        (b'[{"meta_info": {}}, 3]', "reply 1 is a JSON int, not an object"),
-        (b'"routed_experts"', "reply is a JSON str, not an object"),
-        (
-            b'{"meta_info": {}, "x": {"routed_experts": "AAAA"}}',
-            "reply body has a string-valued routed_experts key at byte 24 that no reply's",
-        ),
-        (
-            b'{"meta_info": {"routed_experts": "AAAA", "routed_experts": "BBBB"}}',
-            "reply body has a string-valued routed_experts key at byte 41 that no reply's",
-        ),
-        (b'{"a": "x"routed_experts":"AAAA"}', "reply body is not valid JSON: "),
-        (
-            b'{"meta_info": {"routed\\u005fexperts": ""}, "x": {"routed_experts": "AAAA"}}',
-            "reply 0: meta_info.routed_experts is spelled with escapes while another",
-        ),
-    ],
-)
+# Bodies the split refuses (body, the start of the message): every one a malformed reply.
+MALFORMED_BODIES = [
+    (b"", "reply body is not valid JSON: "),
+    (b'{"text": "a", "meta_info": {', "reply body is not valid JSON: "),
+    (
+        b'{"meta_info": {"routed_experts": "AAAA", }}',
+        "reply body is not valid JSON: ",
+    ),
+    (
+        b'{"meta_info": {"routed_experts": "AAAA',
+        "routed_experts value at byte 34 is not terminated",
+    ),
+    (
+        b'{"meta_info": {"routed_experts": "AA\\"AA"}}',
+        "routed_experts value at byte 34 holds a backslash: not base64",
+    ),
+    (b'{"meta_info": {"routed_experts": 7}}', "reply: meta_info.routed_experts is a JSON int"),
+    (b'{"meta_info": [1]}', "reply: meta_info is a JSON list, not an object"),
+    (b'[{"meta_info": {}}, 3]', "reply 1 is a JSON int, not an object"),
+    (b'"routed_experts"', "reply is a JSON str, not an object"),
+    (
+        b'{"meta_info": {}, "x": {"routed_experts": "AAAA"}}',
+        "reply body has a string-valued routed_experts key at byte 24 that no reply's",
+    ),
+    (
+        b'{"meta_info": {"routed_experts": "AAAA", "routed_experts": "BBBB"}}',
+        "reply body has a string-valued routed_experts key at byte 41 that no reply's",
+    ),
+    (b'{"a": "x"routed_experts":"AAAA"}', "reply body is not valid JSON: "),
+    (
+        b'{"meta_info": {"routed\\u005fexperts": ""}, "x": {"routed_experts": "AAAA"}}',
+        "reply 0: meta_info.routed_experts is spelled with escapes while another",
+    ),
+]
+
+
+@pytest.mark.parametrize("body,message", MALFORMED_BODIES)
 def test_split_refuses_malformed_bodies(body, message):
     with pytest.raises(ValueError) as info:
         split_routed_experts(body)

@@ -253,6 +253,14 @@ class RolloutConfig:
             refused while it is read, naming the server and endpoint, and retried
             (``megatron_sat.rollout.protocol``). 0 sizes each ``/generate`` reply's cap from its
             prompts, ``max_new_tokens`` and the routing shape (layers x top-k).
+        reply_parse_workers: asynchronous modes with SGLang servers: processes that parse the
+            servers' ``/generate`` replies (``megatron_sat.rollout.reply_parser``), so that the
+            parse of replies arriving while the trainer steps (about 1.4 s of a core per
+            million tokens at the paper's 48 x top-8 routes) does not share the trainer's GIL:
+            bench/data_path.py's ``overlap_step_time_ratio``. 0 parses each reply in the pool's
+            thread that received it (the step then ran 1.3-2.5x slower beside a full-rate
+            parse). The synchronous pool and the vLLM client parse in their threads (the trainer
+            waits for their batch anyway).
         reward: the reward of every sample, training and evaluation: ``math`` (math-verify on
             the last ``\\boxed{}`` against the label, ``rollout.rewards``), ``python`` (the
             plug-in ``reward_function``, run in the reward worker processes,
@@ -311,6 +319,7 @@ class RolloutConfig:
     pool_tokens_per_sample: int | None = None
     pool_host_memory_gib: float | None = None
     max_reply_bytes: int = 0
+    reply_parse_workers: int = 1
     reward: str = "math"
     reward_function: str | None = None
     reward_url: str | None = None
@@ -367,6 +376,11 @@ class RolloutConfig:
             raise ValueError(
                 f"rollout.max_reply_bytes must be >= 0 (0: sized per request), got "
                 f"{self.max_reply_bytes!r}"
+            )
+        if isinstance(self.reply_parse_workers, bool) or self.reply_parse_workers < 0:
+            raise ValueError(
+                "rollout.reply_parse_workers must be >= 0 (0: in the pool's threads), got "
+                f"{self.reply_parse_workers!r}"
             )
         if self.clock_tokens < 0 or (self.clock_tokens and self.mode != "bounded"):
             raise ValueError(

@@ -18,7 +18,6 @@ end_weight_update()"}`` before it joins the broadcast.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from operator import itemgetter
 from typing import Any
 
 import httpx
@@ -35,19 +34,16 @@ from megatron_sat.rollout.engine import (
     prompt_batch,
     request_with_retries,
 )
+from megatron_sat.rollout.generate_reply import ReplyRequest, parse_outputs
 from megatron_sat.rollout.protocol import ReplyGuard, ReplyRefused, generate_reply_cap
+from megatron_sat.rollout.reply_parser import ReplyParser, parse_in_thread
 from megatron_sat.rollout.sampling import (
     SAMPLING_EPS,
     GenerateOutput,
     RoutingSpec,
     SamplingParams,
 )
-from megatron_sat.rollout.weight_versions import spans_to_versions
-from megatron_sat.routing.payload import decode_routed_experts
-from megatron_sat.routing.wire import split_generate_reply
 from megatron_sat.weight_sync.channel import PAUSE_MODES
-
-_FIRST, _SECOND = itemgetter(0), itemgetter(1)
 
 # The engine-neutral names (``rollout.engine``, ``rollout.sampling``) stay importable from here.
 __all__ = [
@@ -64,68 +60,6 @@ __all__ = [
     "is_batch",
     "request_with_retries",
 ]
-
-
-def _token_ids(values: Any, where: str) -> list[int]:
-    """``output_ids`` as ints; anything else (floats, bools, strings) is a malformed reply,
-    never rounded into a token id. orjson gives exact ``int``s, so one pass over the types in C
-    (``bool`` is a type of its own) decides the common case; anything else takes the per-item
-    check."""
-    if type(values) is list and set(map(type, values)) <= {int}:
-        return values
-    if not isinstance(values, list) or not all(
-        isinstance(t, int) and not isinstance(t, bool) for t in values
-    ):
-        raise SGLangError(f"{where}: output_ids must be a list of integers: {values!r:.120}")
-    return values
-
-
-def _entry_logprobs(entries: list[Any], output_ids: list[int], where: str) -> list[float]:
-    """The log-probs of SGLang's ``output_token_logprobs`` entries ``[logprob, token_id, text]``
-    (``srt/managers/tokenizer_manager.py`` ``detokenize_logprob_tokens``; text is null unless
-    ``return_text_in_logprobs``), each entry's token checked against ``output_ids``.
-
-    The common case is decided column-wise in C: the first two columns cut with ``map`` (the
-    log-probs through ``float`` as the loop converts them), the tokens compared with
-    ``output_ids`` as lists and their types checked (``bool`` is a type of its own). Anything
-    else (an entry too short or not a list, a conversion that fails, a token that differs or
-    is not an ``int``) goes to :func:`_entry_logprobs_per_item`, the per-entry loop, so what is
-    accepted and every message (naming the first bad entry) are the loop's.
-
-    Raises:
-        SGLangError: naming the first entry that is not ``[logprob, token_id, ...]`` or whose
-            token is not ``output_ids``' at its position.
-    """
-    if type(entries) is list:
-        try:
-            logprobs = list(map(float, map(_FIRST, entries)))
-            tokens = list(map(_SECOND, entries))
-        except (TypeError, ValueError, IndexError, KeyError):
-            pass
-        else:
-            if tokens == output_ids and set(map(type, tokens)) <= {int}:
-                return logprobs
-    return _entry_logprobs_per_item(entries, output_ids, where)
-
-
-def _entry_logprobs_per_item(entries: Any, output_ids: list[int], where: str) -> list[float]:
-    """:func:`_entry_logprobs` one entry at a time (the reference; names the first bad one)."""
-    logprobs: list[float] = []
-    for pos, (entry, token) in enumerate(zip(entries, output_ids, strict=True)):
-        try:
-            logprob, entry_token = float(entry[0]), entry[1]
-        except (TypeError, ValueError, IndexError, KeyError) as e:
-            raise SGLangError(
-                f"{where}: output_token_logprobs[{pos}] = {entry!r:.80} is not "
-                f"[logprob, token_id, ...] ({e})"
-            ) from e
-        if entry_token != token or isinstance(entry_token, bool):
-            raise SGLangError(
-                f"{where}: output_token_logprobs[{pos}] is for token {entry_token!r}, "
-                f"output_ids[{pos}] is {token}"
-            )
-        logprobs.append(logprob)
-    return logprobs
 
 
 class SGLangClient(HTTPClient):
@@ -180,6 +114,7 @@ class SGLangClient(HTTPClient):
         routing: RoutingSpec | None = None,
         routed_experts_start_len: int = 0,
         return_logprob: bool = True,
+        reply_parser: ReplyParser | None = None,
     ) -> list[GenerateOutput]:
         """POST /generate with token ids; one output per prompt, in order.
 
@@ -190,10 +125,14 @@ class SGLangClient(HTTPClient):
             routing: when given, ask for routed experts and decode them with this shape.
             routed_experts_start_len: first token position whose routing is returned.
             return_logprob: ask for ``output_token_logprobs``.
+            reply_parser: parse the reply body in its worker processes
+                (``rollout.reply_parser``; the pool's, ``rollout.reply_parse_workers``); None
+                parses it in the calling thread. The outputs are the same.
 
         Raises:
             SGLangError: on HTTP errors, a missing field (e.g. routed_experts when the server
                 was started without --enable-return-routed-experts) or inconsistent output.
+            ReplyParserError: when a worker process of ``reply_parser`` died.
         """
         batch = prompt_batch(input_ids)
         if isinstance(sampling, SamplingParams):
@@ -210,23 +149,26 @@ class SGLangClient(HTTPClient):
             body["return_routed_experts"] = True
             body["routed_experts_start_len"] = routed_experts_start_len
         news = [p.max_new_tokens for p in per_prompt_params(sampling, len(batch))]
+        request = ReplyRequest(
+            self.base_url,
+            tuple(len(p) for p in batch),
+            routing,
+            routed_experts_start_len,
+            return_logprob,
+        )
         # The routes stay in the body's bytes until decoded (routing.wire): no 2 KB/token str.
-        with self.guard.expecting(generate_reply_cap([len(p) for p in batch], news, routing)):
-            items, payloads = self.guard.fetch_json(
+        # A body that does not split as JSON is refused and sent again (the guard's retry);
+        # the outputs' own errors are raised after it (rollout.generate_reply's two stages).
+        parse = parse_in_thread if reply_parser is None else reply_parser.parse
+        with self.guard.expecting(generate_reply_cap(list(request.prompt_lens), news, routing)):
+            parsed = self.guard.fetch_json(
                 lambda: self._request("POST", "/generate", body, retry=True),
                 attempts=1 + self.max_retries,
                 backoff_s=self.retry_backoff_s,
                 error=self.error,
-                parse=split_generate_reply,
+                parse=lambda content: parse(content, request),
             )
-        return self.outputs(
-            items,
-            payloads,
-            [len(p) for p in batch],
-            routing=routing,
-            routed_experts_start_len=routed_experts_start_len,
-            return_logprob=return_logprob,
-        )
+        return [self.guard.check_output(out) for out in parsed.outputs()]
 
     def outputs(
         self,
@@ -240,84 +182,22 @@ class SGLangClient(HTTPClient):
     ) -> list[GenerateOutput]:
         """The checked outputs of a ``/generate`` reply already split by
         ``routing.wire.split_generate_reply`` (``items``, ``payloads``), one per prompt of
-        ``prompt_lens`` tokens: what :meth:`generate` returns after the HTTP call (and what
-        bench/data_path.py times as the parse). Arguments as :meth:`generate`.
+        ``prompt_lens`` tokens: what :meth:`generate` returns after the HTTP call in the
+        calling thread (and what bench/data_path.py times as the parse). Arguments as
+        :meth:`generate`.
 
         Raises:
             SGLangError: as :meth:`generate`, for a reply of another length than the batch or
                 a malformed output; ``ProtocolViolation`` from the guard's checks.
         """
-        if len(items) != len(prompt_lens):
-            raise SGLangError(
-                f"{self.base_url}/generate: {len(items)} outputs for {len(prompt_lens)}"
-            )
-        return [
-            self.guard.check_output(
-                self._parse_output(
-                    item, payload, prompt_len, routing, routed_experts_start_len, return_logprob
-                )
-            )
-            for item, payload, prompt_len in zip(items, payloads, prompt_lens, strict=True)
-        ]
-
-    def _parse_output(
-        self,
-        item: dict[str, Any],
-        payload: memoryview | None,
-        prompt_len: int,
-        routing: RoutingSpec | None,
-        start_len: int,
-        return_logprob: bool,
-    ) -> GenerateOutput:
-        where = f"{self.base_url}/generate"
-        try:
-            meta = item["meta_info"]
-            output_ids = _token_ids(item["output_ids"], where)
-            finish = meta["finish_reason"]
-            weight_version = str(meta["weight_version"])
-        except (KeyError, TypeError) as e:
-            raise SGLangError(f"{where}: malformed output, missing {e}: {item!r:.300}") from e
-        if not isinstance(finish, dict) or "type" not in finish:
-            raise SGLangError(f"{where}: request did not finish (finish_reason={finish!r})")
-        logprobs: list[float] = []
-        if return_logprob:
-            entries = meta.get("output_token_logprobs")
-            if entries is None or len(entries) != len(output_ids):
-                count = None if entries is None else len(entries)
-                raise SGLangError(
-                    f"{where}: output_token_logprobs has {count} entries for "
-                    f"{len(output_ids)} output tokens"
-                )
-            logprobs = _entry_logprobs(entries, output_ids, where)
-        routed = None
-        # A request aborted before it ran has no routing; the caller retries it anyway.
-        if routing is not None and not (payload is None and finish["type"] == "abort"):
-            if payload is None:
-                raise SGLangError(
-                    f"{where}: no routed_experts in the response; start the server with "
-                    "--enable-return-routed-experts"
-                )
-            try:
-                routed = decode_routed_experts(
-                    payload,
-                    num_tokens=max(0, prompt_len + len(output_ids) - 1 - start_len),
-                    num_layers=routing.num_layers,
-                    top_k=routing.top_k,
-                    num_experts=routing.num_experts,
-                )
-            except ValueError as e:
-                raise SGLangError(f"{where}: {e}") from e
-        return GenerateOutput(
-            output_ids=output_ids,
-            output_token_logprobs=logprobs,
-            finish_reason=str(finish["type"]),
-            weight_version=weight_version,
-            routed_experts=routed,
-            prompt_tokens=int(meta.get("prompt_tokens", prompt_len)),
-            completion_tokens=int(meta.get("completion_tokens", len(output_ids))),
-            meta_info=meta,
-            output_token_versions=_token_versions(meta, len(output_ids), where),
+        request = ReplyRequest(
+            self.base_url,
+            tuple(prompt_lens),
+            routing,
+            routed_experts_start_len,
+            return_logprob,
         )
+        return [self.guard.check_output(o) for o in parse_outputs(items, payloads, request)]
 
     # ---- status -----------------------------------------------------------------------------
 
@@ -459,23 +339,6 @@ class SGLangClient(HTTPClient):
         """A weight-update reply with HTTP 400 and ``success: false`` is returned, not raised,
         so the caller can surface the server's message."""
         return response.is_success or _is_success_false(response)
-
-
-def _token_versions(meta: dict[str, Any], num_tokens: int, where: str) -> list[str] | None:
-    """The version of each output token from SGLang 0.5.23's ``meta_info["weight_versions"]``
-    spans (``rollout.weight_versions``); None when the server sends none (an SGLang before
-    the spans), where the request's ``weight_version`` stands for every token.
-
-    Raises:
-        SGLangError: naming the server when the spans do not cover the output tokens.
-    """
-    spans = meta.get("weight_versions")
-    if spans is None:
-        return None
-    try:
-        return spans_to_versions(spans, num_tokens)
-    except (ValueError, KeyError, TypeError) as e:
-        raise SGLangError(f"{where}: weight_versions {spans!r:.300}: {e}") from e
 
 
 def _is_success_false(response: httpx.Response) -> bool:

@@ -62,19 +62,27 @@ _json_loads = json.loads
 
 
 class ReplyRefused(httpx.RemoteProtocolError):
-    """A reply the protocol does not allow (too large, not JSON); ``kind`` names the check."""
+    """A reply the protocol does not allow (too large, not JSON); ``kind`` names the check.
+    Pickles with its message and kind (it may cross a process boundary)."""
 
     def __init__(self, message: str, kind: str) -> None:
         super().__init__(message)
         self.kind = kind
+
+    def __reduce__(self) -> tuple[type, tuple[str, str]]:
+        return type(self), (str(self), self.kind)
 
 
 class ProtocolViolation(SGLangError):
-    """A parsed reply whose contents break the protocol; ``kind`` names the check."""
+    """A parsed reply whose contents break the protocol; ``kind`` names the check. Pickles
+    with its message and kind."""
 
     def __init__(self, message: str, kind: str) -> None:
         super().__init__(message)
         self.kind = kind
+
+    def __reduce__(self) -> tuple[type, tuple[str, str]]:
+        return type(self), (str(self), self.kind)
 
 
 def generate_reply_cap(

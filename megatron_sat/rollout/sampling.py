@@ -134,7 +134,10 @@ class GenerateOutput:
             experts) or int16; None when not requested or when an aborted request never ran.
         prompt_tokens: P.
         completion_tokens: R.
-        meta_info: the raw meta_info object, for anything not typed above.
+        meta_info: the raw meta_info object, for anything not typed above. From SGLang's
+            client, less what is typed above in bulk: ``routed_experts`` (the base64 routes)
+            and ``output_token_logprobs`` (the per-token triples;
+            ``rollout.generate_reply.TYPED_META_KEYS``).
         output_token_versions: the weight version of each output token (length R) when the
             engine reports one per token (vLLM's ``weight_versions`` spans: a request that
             runs across a weight update has tokens of both versions); None when it reports one

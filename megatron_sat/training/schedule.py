@@ -108,6 +108,8 @@ def async_pool_config(cfg: RunConfig) -> AsyncPoolConfig:
         filter_groups=ro.filter_groups,
         max_replacements=ro.max_replacement_groups,
         dispatch=rollout_dispatch(cfg),
+        # the vLLM client parses its own replies (per prompt, in its threads)
+        reply_parse_workers=ro.reply_parse_workers if ro.engine == "sglang" else 0,
     )
 
 

@@ -15,6 +15,7 @@ from megatron_sat.rollout.client import SamplingParams, SGLangClient
 from megatron_sat.rollout.datasets import PromptRecord
 from megatron_sat.rollout.meter import ServerMeter
 from megatron_sat.rollout.pool import RewardFn
+from megatron_sat.rollout.reply_parser import ReplyParser
 from megatron_sat.rollout.types import Sample
 
 
@@ -97,6 +98,7 @@ class PoolCore:
     _overlap_left: int
     _round_busy: bool
     _reward_executor: ThreadPoolExecutor
+    _reply_parser: ReplyParser | None
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:

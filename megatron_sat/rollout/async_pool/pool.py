@@ -17,6 +17,7 @@ from megatron_sat.rollout.client import SamplingParams, SGLangClient
 from megatron_sat.rollout.datasets import PromptRecord
 from megatron_sat.rollout.meter import ServerMeter
 from megatron_sat.rollout.pool import NoLiveServer, RewardFn
+from megatron_sat.rollout.reply_parser import ReplyParser
 from megatron_sat.rollout.types import Sample
 
 
@@ -41,6 +42,10 @@ class AsyncRolloutPool(Admission, Clock, PoolState):
             ``batch``; None leaves sampling to the servers' generators. Seeded requests
             continue at their positions when resumed (SGLang's seeded sampling hashes the
             position), so a sample does not depend on which server or attempt served it.
+
+    The pool owns the reply parser of ``config.reply_parse_workers`` (its processes start with
+    the first reply and stop with :meth:`stop`) and hands it to its ``SGLangClient``s; other
+    clients (vLLM's) parse their replies themselves.
 
     Raises:
         ValueError: without clients, for a meter of another server count, or for
@@ -106,6 +111,8 @@ class AsyncRolloutPool(Admission, Clock, PoolState):
         self._overlap_left = 1
         self._round_busy = False
         self._reward_executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="reward")
+        workers = config.reply_parse_workers
+        self._reply_parser = ReplyParser(workers) if workers else None
 
     def start(self) -> None:
         """Admit what the current version allows and start one worker per live server.
@@ -244,10 +251,13 @@ class AsyncRolloutPool(Admission, Clock, PoolState):
             return self._first_draw.get(batch, self._drawn)
 
     def stop(self) -> None:
-        """Stop the workers after their current request (servers are left running)."""
+        """Stop the workers after their current request (servers are left running), then the
+        reply parser's processes."""
         with self._cond:
             self._stopped = True
             self._cond.notify_all()
             threads = list(self._threads)
         for thread in threads:
             thread.join(timeout=60)
+        if self._reply_parser is not None:
+            self._reply_parser.close()

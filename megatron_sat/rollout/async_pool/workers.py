@@ -65,12 +65,15 @@ class Workers(PoolCore):
     ) -> list[GenerateOutput] | BaseException:
         """One batched /generate of ``jobs`` to ``client`` (metered): its outputs, or what it
         raised."""
+        # SGLang's replies go to the pool's parser processes; the vLLM client parses its own.
+        parse = {"reply_parser": self._reply_parser} if isinstance(client, SGLangClient) else {}
         self.meter.begin(server)
         try:
             return client.generate(
                 [j.prompt_ids + j.response_ids for j in jobs],
                 self._sampling_for(jobs),
                 routing=self.routing,
+                **parse,
             )
         except BaseException as e:
             self.meter.end(server, failed=True)
