@@ -287,6 +287,25 @@ def test_rewards_in_worker_thread():
     assert len(errors) == 1 and "needs the main thread" in errors[0]
 
 
+def test_parse_label_is_parsed_once_per_label_and_errors_are_not_cached():
+    from megatron_sat.rollout import rewards
+
+    rewards._parse_label_cached.cache_clear()
+    first = rewards.parse_label("\\frac{164}{2}")
+    first.append("edited by a caller")
+    again = rewards.parse_label("\\frac{164}{2}")
+    assert again == first[:-1] and len(again) == 2 and again[0] == 82
+    info = rewards._parse_label_cached.cache_info()
+    assert (info.hits, info.misses) == (1, 1)
+    for _ in range(2):  # raised each time, nothing cached
+        with pytest.raises(ValueError, match="label is empty"):
+            rewards.parse_label(" ")
+    assert rewards._parse_label_cached.cache_info().currsize == 1
+    # the memo does not change a verdict: the group of one prompt, scored in turn
+    verdicts = [math_reward(r, "82") for r in ("\\boxed{82.0}", "\\boxed{81}", "\\boxed{82}")]
+    assert verdicts == [1.0, 0.0, 1.0]
+
+
 def test_reward_errors():
     with pytest.raises(ValueError, match="label is empty"):
         math_reward("\\boxed{1}", " ")
