@@ -157,7 +157,10 @@ def main() -> None:
                 EmbeddedServer(ckpt, random_seed=0, dtype=args.dtype) as server,
                 WeightUpdater([server.client()], bucket_bytes=bucket_bytes) as ours,
                 WeightUpdater(
-                    [server.client()], bucket_bytes=bucket_bytes, flatten_buckets=False
+                    [server.client()],
+                    bucket_bytes=bucket_bytes,
+                    flatten_buckets=False,
+                    pipeline_requests=False,
                 ) as per_tensor,
             ):
                 unpacked_from = ours.unpacked_from_bytes
