@@ -14,13 +14,20 @@ round measures:
   ``--bucket-megabytes`` (pause, begin, buckets with bucket k+1 gathered and packed while
   bucket k is on the wire, version, end, continue): tensors below ``unpacked_from_bytes``
   (256 KiB on gloo, ``platform.host_copy``) flattened, larger ones in buckets of their own
-  with one broadcast each (on gloo a 1 MiB message travels faster than a 32 MiB one and needs
-  no packing copy; on nccl everything is flattened).
+  with one broadcast each (each gloo message costs a rendezvous of the two processes, but no
+  packing copy on the sender and, on a server that receives in place, none there; on nccl
+  everything is flattened), and requests pipelined (``pipeline_requests``: bucket k+1 posted
+  once rank 0's broadcast of bucket k completed, before bucket k's reply; safe on this gloo
+  group with real SGLang too, ``weight_sync.request_order``).
 - ``per_tensor``: the same update with SGLang's per-tensor protocol as slime and verl use it
   (``load_format`` null: one broadcast per tensor, all enqueued then awaited, per bucket of the
-  same size; since 0a79720 the embedded server receives each tensor straight into its
-  parameter where dtype and shape match, where SGLang receives into a fresh buffer: for
-  tensors of at least ``unpacked_from_bytes`` the two updates are then the same protocol).
+  same size, each bucket's reply awaited before the next is posted, as slime's ``ray.get``
+  per bucket). Since 0a79720 the embedded server receives each tensor straight into its
+  parameter where dtype and shape match, where SGLang receives into a fresh buffer and then
+  copies it in (``model_runner_components/weight_updater.py``,
+  ``receive_weights_from_distributed`` then ``load_weights_from_distributed``): that favours
+  this baseline, and both protocols equally for tensors of at least ``unpacked_from_bytes``,
+  so ``vs_per_tensor`` measures the pipelining and the flattening of the small tensors.
 
 The two protocols run in alternating order. Per round: ``ratio`` = raw / ours (seconds
 inverted: throughputs), ``ratio_ceiling`` = raw / (raw + 2 copies), what a sync with one
@@ -163,7 +170,7 @@ def main() -> None:
                     pipeline_requests=False,
                 ) as per_tensor,
             ):
-                unpacked_from = ours.unpacked_from_bytes
+                unpacked_from, pipelined = ours.unpacked_from_bytes, ours.pipeline_requests
                 ours.update(tensors.items(), weight_version="warm-ours")
                 per_tensor.update(tensors.items(), weight_version="warm-per-tensor")
                 for i in range(args.rounds):
@@ -202,6 +209,7 @@ def main() -> None:
         "dtype": args.dtype,
         "bucket_bytes": bucket_bytes,
         "unpacked_from_bytes": unpacked_from,
+        "pipeline_requests": pipelined,
         "rounds_run": args.rounds,
         **{f"{k}_bytes_per_s": nbytes / statistics.median(v) for k, v in times.items()},
         **median,
