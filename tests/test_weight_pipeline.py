@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -51,7 +52,7 @@ class Channel:
         self.calls.append("continue")
 
     def update_weights_from_distributed(self, names, dtypes, shapes, **kwargs):
-        index = int(names[0].removeprefix("t"))  # one tensor per bucket
+        index = int(names[0].removeprefix("t").split("_")[0])  # t<bucket>[_<tensor>]
         self.log.add("post", index)
         with self._lock:  # one request at a time, as a server serves them
             time.sleep(self.reply_s)
@@ -99,6 +100,45 @@ def test_pipelined_requests_are_posted_after_the_broadcast_before_the_reply():
     # The last bucket sets the version: posted only once every earlier bucket loaded.
     assert at("post", 4) > at("reply", 3)
     assert channel.calls == ["pause", "begin", "end", "continue"]
+
+
+class AsyncGroup:
+    """Rank 0's end for per-tensor buckets: each broadcast is a work whose wait is logged as
+    ("sent", bucket * 10 + tensor); tensors are named ``t<bucket>_<tensor>``."""
+
+    def __init__(self, log: Log) -> None:
+        self.log, self.count = log, 0
+
+    def broadcast(self, tensor, src, async_op=False):
+        assert async_op
+        code, self.count = self.count, self.count + 1
+        return SimpleNamespace(wait=lambda: self.log.add("sent", code))
+
+
+def test_per_tensor_bucket_posts_the_next_after_its_first_message():
+    """The next request travels while the rest of bucket k is on the wire: posted after
+    bucket k's first tensor was received, before its last."""
+    log = Log()
+    channel = Channel(log)
+    updater = WeightUpdater([channel], bucket_bytes=800, unpacked_from_bytes=1)
+    assert updater.pipeline_requests
+    updater._group = AsyncGroup(log)
+    post = updater._post
+
+    def logged_post(bucket, index, weight_version):  # on the sender's thread, in order
+        log.add("posting", index)
+        return post(bucket, index, weight_version)
+
+    updater._post = logged_post
+    tensors = [(f"t{k}_{j}", torch.zeros(100)) for k in range(4) for j in range(2)]  # 400 B
+    updater.update(tensors, weight_version="v1")
+    updater._pool.shutdown()
+    at = log.at
+    # Bucket k's tensors are broadcasts 2k and 2k + 1; bucket 2 is the first posted ahead:
+    # after bucket 1's first message, before its second and before bucket 1's reply.
+    assert at("sent", 2) < at("posting", 2) < at("sent", 3), log.events
+    assert at("posting", 2) < at("reply", 1)
+    assert at("posting", 3) > at("reply", 2)  # the last bucket: after every reply
 
 
 def test_without_pipelining_each_request_waits_for_the_previous_reply():

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -62,7 +63,8 @@ class WeightUpdater(BaseWeightUpdater):
        broadcasts each tensor of the bucket, in order, with its own dtype (by default
        flattened into one uint8 broadcast per bucket, SGLang's ``flattened_bucket``). The
        next bucket is posted once every reply is in, or, with ``pipeline_requests``, once
-       rank 0's broadcast of this one completed and the replies before it are in (a server
+       the first message of rank 0's broadcast of this one completed and the replies before
+       it are in (a server
        takes whichever request reaches it first, so posting ahead is safe only where that
        completion proves every server took this bucket's request:
        ``weight_sync.request_order``). Meanwhile a background thread gathers (the export's
@@ -122,8 +124,9 @@ class WeightUpdater(BaseWeightUpdater):
             no packing copy on either side), the smaller ones flattened; "auto": the
             platform's choice for ``backend`` (``platform.host_copy.unpacked_from_bytes``:
             256 KiB on gloo, everything flattened on nccl); None: everything flattened.
-        pipeline_requests: post bucket k+1's request before bucket k's reply, once rank 0's
-            broadcast of bucket k completed (``send_buckets``); "auto": where that
+        pipeline_requests: post bucket k+1's request before bucket k's reply, once the
+            first message of rank 0's broadcast of bucket k completed (``send_buckets``);
+            "auto": where that
             completion proves every server joined (``request_order.can_pipeline_requests``:
             gloo, rank 0 sending to a rank of every server); True elsewhere is refused.
     """
@@ -221,8 +224,10 @@ class WeightUpdater(BaseWeightUpdater):
         with ``weight_version`` and SGLang's flush (None: no bucket carries either, another
         sender's last bucket does). Bucket k+1 is gathered and packed on a background thread
         (``buckets.BucketProducer``) while bucket k is posted and broadcast. Bucket k+1's
-        ``/update_weights_from_distributed`` is posted once rank 0's broadcast of bucket k
-        completed and every reply before bucket k's is in (``pipeline_requests``; the
+        ``/update_weights_from_distributed`` is posted once the first message of rank 0's
+        broadcast of bucket k completed (a flattened bucket is one message) and every reply
+        before bucket k's is in, so that it travels while bucket k is on the wire
+        (``pipeline_requests``; the
         second and the last bucket wait for every reply: a push whose first bucket is
         refused changes nothing, and the version, which the last bucket sets, never lands
         over a failed bucket), else once bucket k's reply is in: a server receives
@@ -249,7 +254,6 @@ class WeightUpdater(BaseWeightUpdater):
             device = torch.device("cuda", torch.cuda.current_device())
         else:
             device = torch.device("cpu")
-        num_tensors = num_bytes = num_buckets = 0
         producer = BucketProducer(
             named_tensors,
             self.bucket_bytes,
@@ -262,31 +266,67 @@ class WeightUpdater(BaseWeightUpdater):
         failures: list[str] = []
         try:
             with producer:
-                for bucket in producer:
-                    # The first bucket's reply before the second (a push whose first bucket
-                    # is refused changes nothing) and every reply before the last one's (it
-                    # sets the version: never over a bucket that failed).
-                    ahead = self.pipeline_requests and num_buckets >= 2 and not bucket.is_last
-                    self._await_replies(in_flight, int(ahead), failures)
-                    if failures:
-                        break
-                    posted = self._post(bucket, num_buckets, weight_version)
-                    in_flight.append(posted)
-                    posted.broadcast_error = self._broadcast(bucket)
-                    producer.release(bucket)
-                    num_tensors += len(bucket.names)
-                    num_bytes += bucket.num_bytes
-                    num_buckets += 1
-                    if posted.broadcast_error is not None:
-                        break
+                counts = self._send_all(
+                    iter(producer), producer, weight_version, in_flight, failures
+                )
         finally:
             # Every posted bucket is broadcast already: its replies come (or fail) on their own.
             self._await_replies(in_flight, 0, failures)
         if failures:
             raise WeightSyncError("\n".join(failures))
-        if num_buckets == 0:
+        if counts[2] == 0:
             raise ValueError("update() got no tensors")
-        return UpdateStats(num_tensors, num_bytes, num_buckets, time.perf_counter() - start)
+        return UpdateStats(*counts, time.perf_counter() - start)
+
+    def _send_all(
+        self,
+        buckets: Iterator[Bucket],
+        producer: BucketProducer,
+        weight_version: str | None,
+        in_flight: list[_Posted],
+        failures: list[str],
+    ) -> tuple[int, int, int]:
+        """Post and broadcast every bucket (``send_buckets``), appending each posted one to
+        ``in_flight``; stops at the first failure. Returns (tensors, bytes, buckets) sent."""
+        num_tensors = num_bytes = index = 0
+        bucket, ahead = next(buckets, None), None
+        while bucket is not None:
+            current, ahead = ahead, None
+            if current is None:  # not posted ahead: after every reply
+                self._await_replies(in_flight, 0, failures)
+                if failures:
+                    break
+                current = self._post(bucket, index, weight_version)
+                in_flight.append(current)
+            current.broadcast_error, rest = self._start_broadcast(bucket)
+            # Every server joined this bucket's broadcast (gloo's rendezvous), so holds its
+            # request: the next one, posted now, queues behind it (request_order).
+            upcoming = next(buckets, None) if current.broadcast_error is None else None
+            if upcoming is not None and self._posts_ahead(index + 1, upcoming):
+                self._await_replies(in_flight, 1, failures)  # all but the current bucket's
+                if not failures:
+                    ahead = self._post(upcoming, index + 1, weight_version)
+                    in_flight.append(ahead)
+            current.broadcast_error = current.broadcast_error or self._finish_broadcast(rest)
+            producer.release(bucket)
+            num_tensors += len(bucket.names)
+            num_bytes += bucket.num_bytes
+            index += 1
+            if current.broadcast_error is not None or failures:
+                break
+            bucket = upcoming
+        if ahead is not None:  # posted, then the current bucket failed: broadcast it too
+            ahead.broadcast_error, rest = self._start_broadcast(upcoming)
+            ahead.broadcast_error = ahead.broadcast_error or self._finish_broadcast(rest)
+            producer.release(upcoming)
+        return num_tensors, num_bytes, index
+
+    def _posts_ahead(self, index: int, bucket: Bucket) -> bool:
+        """Whether bucket ``index`` may be posted before the previous bucket's reply: with
+        ``pipeline_requests``, except the second bucket (a push whose first bucket is
+        refused changes nothing) and the last (it sets the version: never over a bucket
+        that failed)."""
+        return self.pipeline_requests and index >= 2 and not bucket.is_last
 
     def _post(self, bucket: Bucket, index: int, weight_version: str | None) -> _Posted:
         """Post bucket ``index``'s request to every server (replies awaited later)."""
@@ -306,19 +346,30 @@ class WeightUpdater(BaseWeightUpdater):
         ]
         return _Posted(index, bucket.names, bucket.flat is None, futures)
 
-    def _broadcast(self, bucket: Bucket) -> RuntimeError | None:
-        """Rank 0's broadcast of ``bucket``, completed on return; the error, if it failed."""
+    def _start_broadcast(self, bucket: Bucket) -> tuple[RuntimeError | None, list[Any]]:
+        """Rank 0's broadcast of ``bucket`` until its first message completed (on gloo:
+        every receiving rank joined it); returns (the error, if it failed; the works still
+        to await). A flattened bucket is one message: completed on return."""
         try:
             if bucket.flat is not None:
                 # One collective per bucket (SGLang's flattened_bucket).
                 self._group.broadcast(bucket.flat, src=0)
-            else:
-                # SGLang's per-tensor protocol, as slime sends it: every tensor's broadcast
-                # enqueued, then all awaited.
-                works = [self._group.broadcast(t, src=0, async_op=True) for t in bucket.tensors]
-                for work in works:
-                    work.wait()
+                return None, []
+            # SGLang's per-tensor protocol, as slime sends it: every tensor's broadcast
+            # enqueued, then all awaited.
+            works = [self._group.broadcast(t, src=0, async_op=True) for t in bucket.tensors]
+            works[0].wait()
+            return None, works[1:]
         except RuntimeError as e:  # gloo/nccl timeout or a peer that went away
+            return e, []
+
+    @staticmethod
+    def _finish_broadcast(works: list[Any]) -> RuntimeError | None:
+        """Await the rest of a bucket's broadcast; the error, if it failed."""
+        try:
+            for work in works:
+                work.wait()
+        except RuntimeError as e:
             return e
         return None
 

@@ -11,14 +11,16 @@ scheduler receives then loads one request at a time. So a request that reached t
 served before every later one; but which of two requests reaches it first depends on how the
 HTTP server reads two connections, so posting ahead alone is not safe.
 
-What makes it safe: post bucket k+1 only after rank 0's broadcast of bucket k completed, and
-only where that completion proves every server joined it. gloo sends a message only once its
-receiver posted the matching receive (``gloo/transport/tcp/pair.cc``: the data goes after the
+What makes it safe: post bucket k+1 only after a message of rank 0's broadcast of bucket k
+completed (the first tensor's, for a per-tensor bucket), and only where that completion
+proves every server joined it. gloo sends a message only once its receiver posted the
+matching receive (``gloo/transport/tcp/pair.cc``, ``Pair::send``: the data goes after the
 peer's ``NOTIFY_RECV_READY``), so rank 0's sends completing prove that each rank rank 0 sends
 to has taken bucket k's request, which then holds the lock; bucket k+1's request, posted
-after, waits behind it. gloo's broadcast is a binomial tree (``gloo/broadcast.cc``): rank 0
-sends to ranks 1, 2, 4, 8, ...; every server must have a rank among them (all ranks of one
-SGLang server take the same request stream). NCCL gives rank 0 no such proof (a small bucket
+after, waits behind it, and travels while the rest of bucket k is on the wire. gloo's
+broadcast is a binomial tree (``gloo/broadcast.cc``): rank 0 sends to ranks 1, 2, 4, 8, ...;
+every server must have a rank among them (all ranks of one SGLang server take the same
+request stream). NCCL gives rank 0 no such proof (a small bucket
 fits the peer's receive buffers before the peer's kernel runs), so its requests are not
 pipelined.
 """
