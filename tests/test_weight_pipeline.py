@@ -106,13 +106,19 @@ class AsyncGroup:
     """Rank 0's end for per-tensor buckets: each broadcast is a work whose wait is logged as
     ("sent", bucket * 10 + tensor); tensors are named ``t<bucket>_<tensor>``."""
 
-    def __init__(self, log: Log) -> None:
-        self.log, self.count = log, 0
+    def __init__(self, log: Log, fail_at: int | None = None) -> None:
+        self.log, self.count, self.fail_at = log, 0, fail_at
 
     def broadcast(self, tensor, src, async_op=False):
         assert async_op
         code, self.count = self.count, self.count + 1
-        return SimpleNamespace(wait=lambda: self.log.add("sent", code))
+
+        def wait():
+            if code == self.fail_at:
+                raise RuntimeError("Connection closed by peer")
+            self.log.add("sent", code)
+
+        return SimpleNamespace(wait=wait)
 
 
 def test_per_tensor_bucket_posts_the_next_after_its_first_message():
@@ -292,3 +298,21 @@ def test_embedded_server_mid_pipeline_failure_loads_whole_requests_only(tiny_che
         half = _logprobs(model, prompt, out.output_ids)
     torch.testing.assert_close(served, expected, atol=1e-5, rtol=0)
     assert (served - half).abs().max() > 1e-3
+
+
+def test_broken_broadcast_mid_pipeline_still_sends_the_bucket_posted_ahead():
+    """Bucket 2's second message fails after bucket 3 was posted: bucket 3 is still broadcast
+    (its server would wait for it otherwise), both replies are awaited, nothing more is
+    posted, and the servers, which may hold part of a per-tensor bucket, stay paused."""
+    log = Log()
+    channel = Channel(log, reply_s=0.05)
+    updater = WeightUpdater([channel], bucket_bytes=800, unpacked_from_bytes=1)
+    updater._group = AsyncGroup(log, fail_at=5)  # bucket 2's second tensor
+    tensors = [(f"t{k}_{j}", torch.zeros(100)) for k in range(6) for j in range(2)]
+    with pytest.raises(WeightSyncError, match="rank 0 broadcast failed") as info:
+        updater.update(tensors, weight_version="v1")
+    updater._pool.shutdown()
+    assert updater.loaded_any and "stay paused" in str(info.value)
+    assert [k for kind, k in log.events if kind == "post"] == [0, 1, 2, 3]
+    assert ("sent", 6) in log.events and ("sent", 7) in log.events  # bucket 3 went out
+    assert ("reply", 3) in log.events and channel.calls == ["pause", "begin", "end"]
