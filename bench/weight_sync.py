@@ -14,13 +14,20 @@ round measures:
   ``--bucket-megabytes`` (pause, begin, buckets with bucket k+1 gathered and packed while
   bucket k is on the wire, version, end, continue): tensors below ``unpacked_from_bytes``
   (256 KiB on gloo, ``platform.host_copy``) flattened, larger ones in buckets of their own
-  with one broadcast each (on gloo a 1 MiB message travels faster than a 32 MiB one and needs
-  no packing copy; on nccl everything is flattened).
+  with one broadcast each (each gloo message costs a rendezvous of the two processes, but no
+  packing copy on the sender and, on a server that receives in place, none there; on nccl
+  everything is flattened), and requests pipelined (``pipeline_requests``: bucket k+1 posted
+  once rank 0's broadcast of bucket k completed, before bucket k's reply; safe on this gloo
+  group with real SGLang too, ``weight_sync.request_order``).
 - ``per_tensor``: the same update with SGLang's per-tensor protocol as slime and verl use it
   (``load_format`` null: one broadcast per tensor, all enqueued then awaited, per bucket of the
-  same size; since 0a79720 the embedded server receives each tensor straight into its
-  parameter where dtype and shape match, where SGLang receives into a fresh buffer: for
-  tensors of at least ``unpacked_from_bytes`` the two updates are then the same protocol).
+  same size, each bucket's reply awaited before the next is posted, as slime's ``ray.get``
+  per bucket). Since 0a79720 the embedded server receives each tensor straight into its
+  parameter where dtype and shape match, where SGLang receives into a fresh buffer and then
+  copies it in (``model_runner_components/weight_updater.py``,
+  ``receive_weights_from_distributed`` then ``load_weights_from_distributed``): that favours
+  this baseline, and both protocols equally for tensors of at least ``unpacked_from_bytes``,
+  so ``vs_per_tensor`` measures the pipelining and the flattening of the small tensors.
 
 The two protocols run in alternating order. Per round: ``ratio`` = raw / ours (seconds
 inverted: throughputs), ``ratio_ceiling`` = raw / (raw + 2 copies), what a sync with one
@@ -35,13 +42,16 @@ ceiling is far below 1; on GPUs HBM copies are one to two orders of magnitude fa
 NCCL transfer and it is close to 1.
 
 Usage: ``python bench/weight_sync.py [--megabytes 256] [--rounds 5] [--bucket-megabytes 32]
-[--dtype float32|bfloat16]`` (bfloat16: every float tensor cast to bf16 and a bf16 server, the
-wire of a bf16 trainer).
+[--dtype float32|bfloat16] [--variants serial flattened]`` (bfloat16: every float tensor cast
+to bf16 and a bf16 server, the wire of a bf16 trainer; ``--variants`` also times ours without
+pipelined requests and ours with every tensor flattened, reported as their time over ours per
+round under ``variants``: the evidence for the gloo defaults).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -110,6 +120,14 @@ def copy_seconds(tensors: list[torch.Tensor], flat: torch.Tensor) -> float:
     return time.perf_counter() - start
 
 
+# The updaters timed besides ours (WeightUpdater's gloo defaults), by their options.
+PROTOCOLS: dict[str, dict] = {
+    "per_tensor": {"flatten_buckets": False, "pipeline_requests": False},
+    "serial": {"pipeline_requests": False},  # ours without pipelined requests
+    "flattened": {"unpacked_from_bytes": None},  # ours with every tensor flattened
+}
+
+
 def _spread(values: list[float]) -> dict:
     return {"min": min(values), "median": statistics.median(values), "max": max(values)}
 
@@ -120,6 +138,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--bucket-megabytes", type=float, default=32.0)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument(
+        "--variants",
+        nargs="*",
+        choices=[k for k in PROTOCOLS if k != "per_tensor"],
+        default=[],
+        help="also time these variants of ours (same rounds, alternating order)",
+    )
     args = parser.parse_args()
     from conftest import make_tiny_checkpoint
     from safetensors.torch import load_file
@@ -151,25 +176,31 @@ def main() -> None:
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         flat = torch.ones(nbytes, dtype=torch.uint8)
         raw = RawBroadcast(nbytes)
-        times: dict[str, list[float]] = {"raw": [], "copy": [], "ours": [], "per_tensor": []}
+        protocols = {"ours": {}, "per_tensor": PROTOCOLS["per_tensor"]}
+        protocols.update({name: PROTOCOLS[name] for name in args.variants})
+        times: dict[str, list[float]] = {"raw": [], "copy": [], **{k: [] for k in protocols}}
         try:
             with (
                 EmbeddedServer(ckpt, random_seed=0, dtype=args.dtype) as server,
-                WeightUpdater([server.client()], bucket_bytes=bucket_bytes) as ours,
-                WeightUpdater(
-                    [server.client()], bucket_bytes=bucket_bytes, flatten_buckets=False
-                ) as per_tensor,
+                contextlib.ExitStack() as stack,
             ):
-                unpacked_from = ours.unpacked_from_bytes
-                ours.update(tensors.items(), weight_version="warm-ours")
-                per_tensor.update(tensors.items(), weight_version="warm-per-tensor")
+                updaters = {
+                    key: stack.enter_context(
+                        WeightUpdater([server.client()], bucket_bytes=bucket_bytes, **options)
+                    )
+                    for key, options in protocols.items()
+                }
+                ours = updaters["ours"]
+                unpacked_from, pipelined = ours.unpacked_from_bytes, ours.pipeline_requests
+                for key, updater in updaters.items():
+                    updater.update(tensors.items(), weight_version=f"warm-{key}")
                 for i in range(args.rounds):
                     times["raw"].append(raw.seconds())
                     times["copy"].append(copy_seconds(list(tensors.values()), flat))
                     # Alternate which protocol goes first: on a loaded machine the one after
                     # the memcpy would otherwise always meet the same cache and scheduler state.
-                    pair = [("ours", ours), ("per_tensor", per_tensor)]
-                    for key, updater in pair if i % 2 == 0 else pair[::-1]:
+                    order = list(updaters.items())
+                    for key, updater in order if i % 2 == 0 else order[::-1]:
                         times[key].append(updater.update(tensors.items(), f"{key}-{i}").seconds)
                     print(
                         f"round {i}: "
@@ -199,11 +230,18 @@ def main() -> None:
         "dtype": args.dtype,
         "bucket_bytes": bucket_bytes,
         "unpacked_from_bytes": unpacked_from,
+        "pipeline_requests": pipelined,
         "rounds_run": args.rounds,
         **{f"{k}_bytes_per_s": nbytes / statistics.median(v) for k, v in times.items()},
         **median,
         "rounds": {k: _spread([r[k] for r in per_round]) for k in per_round[0]},
         "best": figures(best),
+        # Each variant's time over ours, per round (> 1: ours is faster), for the defaults.
+        "variants": {
+            k: _spread([v[i] / times["ours"][i] for i in range(args.rounds)])
+            for k, v in times.items()
+            if k in args.variants
+        },
         "load_avg": [round(x, 2) for x in os.getloadavg()],
     }
     print(

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from megatron_sat.platform.host_copy import unpacked_from_bytes as platform_unpacked_from_bytes
 from megatron_sat.weight_sync.buckets import Bucket, BucketProducer, pack_order
 from megatron_sat.weight_sync.channel import PAUSE_MODES, SGLangUpdateChannel
+from megatron_sat.weight_sync.request_order import can_pipeline_requests
 from megatron_sat.weight_sync.updater import (
     BaseWeightUpdater,
     UpdateStats,
@@ -24,6 +28,18 @@ __all__ = ["UpdateStats", "WeightSyncError", "WeightUpdater", "pack_order"]
 # flush after it was refused (srt/managers/scheduler_components/weight_updater.py,
 # flush_cache_after_weight_update): the weights are in, unlike any other failure.
 SGLANG_FLUSH_REFUSED = "Weights were updated, but the cache was not flushed"
+
+
+@dataclass
+class _Posted:
+    """A bucket whose request is posted: its index, names, whether it travels per tensor
+    (``load_format`` null), one reply future per server, and its broadcast's error."""
+
+    index: int
+    names: list[str]
+    per_tensor: bool
+    futures: list[Future]
+    broadcast_error: RuntimeError | None = None
 
 
 class WeightUpdater(BaseWeightUpdater):
@@ -45,11 +61,14 @@ class WeightUpdater(BaseWeightUpdater):
        ``/update_weights_from_distributed`` with ``names``, ``dtypes`` ("float32", "bfloat16",
        ...), ``shapes`` and ``group_name`` is posted to every server concurrently while rank 0
        broadcasts each tensor of the bucket, in order, with its own dtype (by default
-       flattened into one uint8 broadcast per bucket, SGLang's ``flattened_bucket``); then
-       every reply is awaited before the next bucket is posted (a server receives whichever
-       request it dequeues first, so posting ahead could pair a request with another
-       bucket's broadcast). Meanwhile a background thread gathers (the export's collectives)
-       and packs bucket k+1 into the second of two reused staging buffers
+       flattened into one uint8 broadcast per bucket, SGLang's ``flattened_bucket``). The
+       next bucket is posted once every reply is in, or, with ``pipeline_requests``, once
+       the first message of rank 0's broadcast of this one completed and the replies before
+       it are in (a server
+       takes whichever request reaches it first, so posting ahead is safe only where that
+       completion proves every server took this bucket's request:
+       ``weight_sync.request_order``). Meanwhile a background thread gathers (the export's
+       collectives) and packs bucket k+1 into the second of two reused staging buffers
        (``buckets.BucketProducer``), so the sender's copy overlaps the wire. Tensors of at
        least ``unpacked_from_bytes`` (gloo default 256 KiB; none on nccl) go in buckets of
        their own, sent per tensor (``load_format`` null), no packing. Only the final
@@ -105,6 +124,11 @@ class WeightUpdater(BaseWeightUpdater):
             no packing copy on either side), the smaller ones flattened; "auto": the
             platform's choice for ``backend`` (``platform.host_copy.unpacked_from_bytes``:
             256 KiB on gloo, everything flattened on nccl); None: everything flattened.
+        pipeline_requests: post bucket k+1's request before bucket k's reply, once the
+            first message of rank 0's broadcast of bucket k completed (``send_buckets``);
+            "auto": where that
+            completion proves every server joined (``request_order.can_pipeline_requests``:
+            gloo, rank 0 sending to a rank of every server); True elsewhere is refused.
     """
 
     # Whether the last failure was only a refused flush after a complete load (see _fail).
@@ -124,6 +148,7 @@ class WeightUpdater(BaseWeightUpdater):
         timeout_s: float = 600.0,
         flatten_buckets: bool = True,
         unpacked_from_bytes: int | None | str = "auto",
+        pipeline_requests: bool | str = "auto",
     ) -> None:
         if pause_mode not in PAUSE_MODES:
             raise ValueError(f"pause_mode must be one of {PAUSE_MODES}, got {pause_mode!r}")
@@ -148,6 +173,21 @@ class WeightUpdater(BaseWeightUpdater):
                 f"unpacked_from_bytes must be 'auto', None or >= 1, got {unpacked_from_bytes!r}"
             )
         self.unpacked_from_bytes = unpacked_from_bytes
+        safe = can_pipeline_requests(backend, self.ranks_per_server)
+        if pipeline_requests == "auto":
+            pipeline_requests = safe
+        if not isinstance(pipeline_requests, bool):
+            raise ValueError(
+                f"pipeline_requests must be 'auto' or a bool, got {pipeline_requests!r}"
+            )
+        if pipeline_requests and not safe:
+            raise ValueError(
+                f"pipeline_requests=True needs a gloo group in which rank 0 sends to a rank of "
+                f"every server (backend {backend!r}, ranks_per_server {self.ranks_per_server}): "
+                "elsewhere a server could take bucket k+1's request during bucket k's broadcast "
+                "(weight_sync.request_order)"
+            )
+        self.pipeline_requests = pipeline_requests
         # Buckets are packed here, reused across updates (grown on demand): a fresh buffer per
         # bucket costs its page faults, on a CPU about as long as the broadcast itself. Two:
         # bucket k+1 is packed into one while bucket k is broadcast from the other.
@@ -183,11 +223,17 @@ class WeightUpdater(BaseWeightUpdater):
         """Step 2 over this updater's group: the buckets of ``named_tensors``, the last one
         with ``weight_version`` and SGLang's flush (None: no bucket carries either, another
         sender's last bucket does). Bucket k+1 is gathered and packed on a background thread
-        (``buckets.BucketProducer``) while bucket k is posted and broadcast; each bucket's
-        ``/update_weights_from_distributed`` is posted only after every server answered the
-        previous one, so a server (which receives whichever request it dequeues first) always
-        joins the broadcast its request describes. Needs the servers inside a session
-        (``begin_update``, here or on another updater of the same servers).
+        (``buckets.BucketProducer``) while bucket k is posted and broadcast. Bucket k+1's
+        ``/update_weights_from_distributed`` is posted once the first message of rank 0's
+        broadcast of bucket k completed (a flattened bucket is one message) and every reply
+        before bucket k's is in, so that it travels while bucket k is on the wire
+        (``pipeline_requests``; the
+        second and the last bucket wait for every reply: a push whose first bucket is
+        refused changes nothing, and the version, which the last bucket sets, never lands
+        over a failed bucket), else once bucket k's reply is in: a server receives
+        whichever request it takes first, so it must take them in order
+        (``weight_sync.request_order``). After a failure nothing more is posted; the
+        buckets already posted are broadcast and their replies awaited.
 
         Returns:
             What was sent; ``seconds`` is this call's wall time.
@@ -203,11 +249,11 @@ class WeightUpdater(BaseWeightUpdater):
             raise RuntimeError("call connect() before update()")
         start = time.perf_counter()
         self._loaded = self._flush_refused = False
+        self._server_failures: list[str] = []
         if self.backend == "nccl":
             device = torch.device("cuda", torch.cuda.current_device())
         else:
             device = torch.device("cpu")
-        num_tensors = num_bytes = num_buckets = 0
         producer = BucketProducer(
             named_tensors,
             self.bucket_bytes,
@@ -216,38 +262,75 @@ class WeightUpdater(BaseWeightUpdater):
             staging=self._staging,
             unpacked_from_bytes=self.unpacked_from_bytes,
         )
-        with producer:
-            for bucket in producer:
-                version = weight_version if bucket.is_last else None
-                num_loaded, failures = self._send_bucket(bucket, version)
-                producer.release(bucket)
-                self._loaded |= num_loaded > 0
-                # Every failure a refused flush after a complete load: weights and version in.
-                self._flush_refused = bool(failures) and all(
-                    SGLANG_FLUSH_REFUSED in line for line in failures
+        in_flight: list[_Posted] = []
+        failures: list[str] = []
+        try:
+            with producer:
+                counts = self._send_all(
+                    iter(producer), producer, weight_version, in_flight, failures
                 )
-                if failures:
-                    names = ", ".join(bucket.names[:3])
-                    raise WeightSyncError(
-                        f"update_weights_from_distributed of bucket {num_buckets} "
-                        f"({len(bucket.names)} tensors: {names}"
-                        f"{', ...' if len(bucket.names) > 3 else ''}) failed:\n"
-                        + "\n".join(failures)
-                    )
-                num_tensors += len(bucket.names)
-                num_bytes += bucket.num_bytes
-                num_buckets += 1
-        if num_buckets == 0:
+        finally:
+            # Every posted bucket is broadcast already: its replies come (or fail) on their own.
+            self._await_replies(in_flight, 0, failures)
+        if failures:
+            raise WeightSyncError("\n".join(failures))
+        if counts[2] == 0:
             raise ValueError("update() got no tensors")
-        return UpdateStats(num_tensors, num_bytes, num_buckets, time.perf_counter() - start)
+        return UpdateStats(*counts, time.perf_counter() - start)
 
-    def _send_bucket(self, bucket: Bucket, weight_version: str | None) -> tuple[int, list[str]]:
-        """Post one bucket to all servers while broadcasting it.
+    def _send_all(
+        self,
+        buckets: Iterator[Bucket],
+        producer: BucketProducer,
+        weight_version: str | None,
+        in_flight: list[_Posted],
+        failures: list[str],
+    ) -> tuple[int, int, int]:
+        """Post and broadcast every bucket (``send_buckets``), appending each posted one to
+        ``in_flight``; stops at the first failure. Returns (tensors, bytes, buckets) sent."""
+        num_tensors = num_bytes = index = 0
+        bucket, ahead = next(buckets, None), None
+        while bucket is not None:
+            current, ahead = ahead, None
+            if current is None:  # not posted ahead: after every reply
+                self._await_replies(in_flight, 0, failures)
+                if failures:
+                    break
+                current = self._post(bucket, index, weight_version)
+                in_flight.append(current)
+            current.broadcast_error, rest = self._start_broadcast(bucket)
+            # Every server joined this bucket's broadcast (gloo's rendezvous), so holds its
+            # request: the next one, posted now, queues behind it (request_order).
+            upcoming = next(buckets, None) if current.broadcast_error is None else None
+            if upcoming is not None and self._posts_ahead(index + 1, upcoming):
+                self._await_replies(in_flight, 1, failures)  # all but the current bucket's
+                if not failures:
+                    ahead = self._post(upcoming, index + 1, weight_version)
+                    in_flight.append(ahead)
+            current.broadcast_error = current.broadcast_error or self._finish_broadcast(rest)
+            producer.release(bucket)
+            num_tensors += len(bucket.names)
+            num_bytes += bucket.num_bytes
+            index += 1
+            if current.broadcast_error is not None or failures:
+                break
+            bucket = upcoming
+        if ahead is not None:  # posted, then the current bucket failed: broadcast it too
+            ahead.broadcast_error, rest = self._start_broadcast(upcoming)
+            ahead.broadcast_error = ahead.broadcast_error or self._finish_broadcast(rest)
+            producer.release(upcoming)
+        return num_tensors, num_bytes, index
 
-        Returns:
-            (servers that loaded the bucket, one line per failure).
-        """
-        load_format = "flattened_bucket" if bucket.flat is not None else None
+    def _posts_ahead(self, index: int, bucket: Bucket) -> bool:
+        """Whether bucket ``index`` may be posted before the previous bucket's reply: with
+        ``pipeline_requests``, except the second bucket (a push whose first bucket is
+        refused changes nothing) and the last (it sets the version: never over a bucket
+        that failed)."""
+        return self.pipeline_requests and index >= 2 and not bucket.is_last
+
+    def _post(self, bucket: Bucket, index: int, weight_version: str | None) -> _Posted:
+        """Post bucket ``index``'s request to every server (replies awaited later)."""
+        version = weight_version if bucket.is_last else None
         futures = [
             self._pool.submit(
                 c.update_weights_from_distributed,
@@ -255,39 +338,76 @@ class WeightUpdater(BaseWeightUpdater):
                 bucket.dtypes,
                 bucket.shapes,
                 group_name=self.group_name,
-                weight_version=weight_version,
-                flush_cache=weight_version is not None and self.pause_mode != "in_place",
-                load_format=load_format,
+                weight_version=version,
+                flush_cache=version is not None and self.pause_mode != "in_place",
+                load_format="flattened_bucket" if bucket.flat is not None else None,
             )
             for c in self.clients
         ]
-        broadcast_error = None
+        return _Posted(index, bucket.names, bucket.flat is None, futures)
+
+    def _start_broadcast(self, bucket: Bucket) -> tuple[RuntimeError | None, list[Any]]:
+        """Rank 0's broadcast of ``bucket`` until its first message completed (on gloo:
+        every receiving rank joined it); returns (the error, if it failed; the works still
+        to await). A flattened bucket is one message: completed on return."""
         try:
             if bucket.flat is not None:
                 # One collective per bucket (SGLang's flattened_bucket).
                 self._group.broadcast(bucket.flat, src=0)
-            else:
-                # SGLang's per-tensor protocol, as slime sends it: every tensor's broadcast
-                # enqueued, then all awaited.
-                works = [self._group.broadcast(t, src=0, async_op=True) for t in bucket.tensors]
-                for work in works:
-                    work.wait()
+                return None, []
+            # SGLang's per-tensor protocol, as slime sends it: every tensor's broadcast
+            # enqueued, then all awaited.
+            works = [self._group.broadcast(t, src=0, async_op=True) for t in bucket.tensors]
+            works[0].wait()
+            return None, works[1:]
         except RuntimeError as e:  # gloo/nccl timeout or a peer that went away
-            broadcast_error = e
-        failures = failure_lines(self.clients, futures)
-        # A refused flush is reported after the bucket loaded (SGLang's message says so).
-        num_loaded = len(self.clients) - sum(SGLANG_FLUSH_REFUSED not in f for f in failures)
-        if broadcast_error is not None and bucket.flat is None:
-            # A server may receive per-tensor requests straight into its parameters (the
-            # embedded one does): a broken broadcast can leave part of the bucket written, so
-            # the servers count as changed and stay paused until a retry.
-            num_loaded = len(self.clients)
-        if broadcast_error is not None:
-            failures.append(
-                f"  rank 0 broadcast failed ({broadcast_error!r}); the group may be unusable: "
-                "close() and connect() again"
-            )
-        return num_loaded, failures
+            return e, []
+
+    @staticmethod
+    def _finish_broadcast(works: list[Any]) -> RuntimeError | None:
+        """Await the rest of a bucket's broadcast; the error, if it failed."""
+        try:
+            for work in works:
+                work.wait()
+        except RuntimeError as e:
+            return e
+        return None
+
+    def _await_replies(self, in_flight: list[_Posted], keep: int, lines: list[str]) -> None:
+        """Await the replies of every posted bucket but the last ``keep`` (removed from
+        ``in_flight``); sets ``_loaded`` and ``_flush_refused``; appends to ``lines`` what
+        failed, and once something failed, what loaded after it."""
+        while len(in_flight) > keep:
+            posted = in_flight.pop(0)
+            failures = failure_lines(self.clients, posted.futures)
+            # A refused flush is reported after the bucket loaded (SGLang's message says so).
+            num_loaded = len(self.clients) - sum(SGLANG_FLUSH_REFUSED not in f for f in failures)
+            if posted.broadcast_error is not None and posted.per_tensor:
+                # A server may receive per-tensor requests straight into its parameters (the
+                # embedded one does): a broken broadcast can leave part of the bucket
+                # written, so the servers count as changed and stay paused until a retry.
+                num_loaded = len(self.clients)
+            if posted.broadcast_error is not None:
+                failures.append(
+                    f"  rank 0 broadcast failed ({posted.broadcast_error!r}); the group may be "
+                    "unusable: close() and connect() again"
+                )
+            self._loaded |= num_loaded > 0
+            # Every failure a refused flush after a complete load: weights and version in.
+            self._server_failures += failures
+            self._flush_refused = all(SGLANG_FLUSH_REFUSED in f for f in self._server_failures)
+            if failures:
+                names = ", ".join(posted.names[:3])
+                more = ", ..." if len(posted.names) > 3 else ""
+                lines.append(
+                    f"update_weights_from_distributed of bucket {posted.index} "
+                    f"({len(posted.names)} tensors: {names}{more}) failed:\n" + "\n".join(failures)
+                )
+            elif lines:
+                lines.append(
+                    f"bucket {posted.index}, posted before that failure was known, loaded "
+                    f"on every server"
+                )
 
     def _fail(self, error: BaseException, loaded: bool) -> None:
         """After a failed update: ``/end_weight_update`` where a session is open, then

@@ -4,7 +4,8 @@ One ``update(named_tensors, weight_version)``:
 
 1. ``begin_update``: pause generation on every server, then open its weight-update session.
 2. ``send_buckets``: per bucket, post its metadata to every server while rank 0 broadcasts it
-   over the group; each bucket is awaited on every server before the next is posted.
+   over the group; no server may take a bucket's request before the previous one's (the
+   engine's updater says when the next may be posted).
 3. ``end_update``: close the sessions (the engine sets the version then, or with the last
    bucket), then continue generation; the servers report ``weight_version`` afterwards.
 
@@ -111,7 +112,9 @@ class BaseWeightUpdater(abc.ABC):
         self.pause_mode = pause_mode
         self.timeout_s = timeout_s
         self.world_size = 1 + sum(self.ranks_per_server)
-        self._pool = ThreadPoolExecutor(len(self.clients), thread_name_prefix=self.thread_name)
+        # Two calls per server may be in flight: a pipelined push posts bucket k+1 while
+        # bucket k's reply is outstanding.
+        self._pool = ThreadPoolExecutor(2 * len(self.clients), thread_name_prefix=self.thread_name)
         self._group: WeightUpdateGroup | Any | None = None
         self._loaded = False
         self._open: list[UpdateChannel] = []  # servers inside a session

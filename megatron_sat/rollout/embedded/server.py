@@ -397,6 +397,12 @@ class ServerState:
         self.groups: dict[str, WeightUpdateGroup] = {}
         # SGLang's weight-update session: the selector of the open one, None when closed.
         self.session: str | None = None
+        # SGLang 0.5.23 serves the weight-update calls of a paused server one at a time, first
+        # come first served: each holds the tokenizer manager's is_pause_cond (an asyncio
+        # lock, FIFO) until the scheduler answered (tokenizer_control_mixin.py,
+        # update_weights_from_distributed and _weight_update_session_call). A pipelined push's
+        # bucket k+1 waits here while bucket k is received and loaded.
+        self.update_lock = asyncio.Lock()
         # Weight updates land here, reused across requests (grown on demand): a fresh buffer
         # per bucket costs its page faults, about as long as the broadcast itself on a CPU.
         self._receive_buffer = torch.empty(0, dtype=torch.uint8)
@@ -566,6 +572,35 @@ class ServerState:
             return False, "The group to be destroyed does not exist."
         group.destroy()
         return True, "Succeeded to destroy custom process group."
+
+    async def set_session(self, selector: str | None) -> tuple[bool, str]:
+        """``/begin_weight_update`` (``selector``) or ``/end_weight_update`` (None), in turn
+        with the update requests (``update_lock``), with SGLang's refusals."""
+        async with self.update_lock:
+            if selector is not None and self.session is not None:
+                return False, (
+                    "a weight-update session is already open; call end_weight_update() first"
+                )
+            if selector is None and self.session is None:
+                return False, "no weight-update session is open; call begin_weight_update() first"
+            self.session = selector
+        return True, "Success"
+
+    async def serve_update(self, body: dict[str, Any]) -> tuple[bool, str]:
+        """One ``/update_weights_from_distributed``: SGLang's abort first, then, holding
+        ``update_lock``, the session check, ``check_update`` and ``receive_update``."""
+        if body.get("abort_all_requests"):  # SGLang aborts before it takes the lock
+            await asyncio.to_thread(self.scheduler.abort_all)
+        async with self.update_lock:
+            if self.session is None:  # SGLang checks this before joining the broadcast
+                return False, OUTSIDE_SESSION
+            try:
+                fatal, specs, mismatches = self.check_update(body)
+            except (ValueError, TypeError) as e:
+                fatal, specs, mismatches = f"malformed request: {e!r}", [], []
+            if fatal is not None:
+                return False, fatal
+            return await asyncio.to_thread(self.receive_update, body, specs, mismatches)
 
     def check_update(
         self, body: dict[str, Any]
@@ -819,36 +854,15 @@ def create_app(state: ServerState) -> FastAPI:
         selector = (await _json_or_empty(request)).get("selector", "all")
         if selector not in SELECTORS:
             return error(f"selector must be one of {SELECTORS}, got {selector!r}")
-        if state.session is not None:
-            return result(
-                False, "a weight-update session is already open; call end_weight_update() first"
-            )
-        state.session = selector
-        return result(True, "Success")
+        return result(*await state.set_session(selector))
 
     @app.post("/end_weight_update")
     async def end_weight_update() -> Response:
-        if state.session is None:
-            return result(
-                False, "no weight-update session is open; call begin_weight_update() first"
-            )
-        state.session = None
-        return result(True, "Success")
+        return result(*await state.set_session(None))
 
     @app.post("/update_weights_from_distributed")
     async def update_weights_from_distributed(request: Request) -> Response:
-        body = await request.json()
-        if state.session is None:  # SGLang checks this before joining the broadcast
-            return result(False, OUTSIDE_SESSION)
-        try:
-            fatal, specs, mismatches = state.check_update(body)
-        except (ValueError, TypeError) as e:
-            fatal, specs, mismatches = f"malformed request: {e!r}", [], []
-        if fatal is not None:
-            return result(False, fatal)
-        if body.get("abort_all_requests"):
-            await asyncio.to_thread(state.scheduler.abort_all)
-        return result(*await asyncio.to_thread(state.receive_update, body, specs, mismatches))
+        return result(*await state.serve_update(await request.json()))
 
     return app
 

@@ -1,0 +1,318 @@
+"""Pipelined weight-push requests (``WeightUpdater(pipeline_requests=...)``): bucket k+1's
+request is posted once rank 0's broadcast of bucket k completed, before bucket k's reply, and
+only where that is safe (``weight_sync.request_order``); a failure mid-pipeline leaves the
+servers paused and counted as changed, with no request loaded in part."""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megatron_sat.weight_sync.broadcast import WeightSyncError, WeightUpdater
+from megatron_sat.weight_sync.request_order import can_pipeline_requests, gloo_root_peers
+
+
+class Log:
+    """Events of every channel and the group, in the order they happened."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, int]] = []
+        self._lock = threading.Lock()
+
+    def add(self, kind: str, index: int) -> None:
+        with self._lock:
+            self.events.append((kind, index))
+
+    def at(self, kind: str, index: int) -> int:
+        return self.events.index((kind, index))
+
+
+class Channel:
+    """A server that takes ``reply_s`` to answer each bucket; bucket ``fail_at`` is refused."""
+
+    def __init__(self, log: Log, fail_at: int | None = None, reply_s: float = 0.15) -> None:
+        self.base_url, self.log, self.fail_at, self.reply_s = "http://s0", log, fail_at, reply_s
+        self.calls: list[str] = []
+        self._lock = threading.Lock()
+
+    def pause_generation(self, mode="abort"):
+        self.calls.append("pause")
+
+    def begin_weight_update(self, selector="all"):
+        self.calls.append("begin")
+
+    def end_weight_update(self):
+        self.calls.append("end")
+
+    def continue_generation(self):
+        self.calls.append("continue")
+
+    def update_weights_from_distributed(self, names, dtypes, shapes, **kwargs):
+        index = int(names[0].removeprefix("t").split("_")[0])  # t<bucket>[_<tensor>]
+        self.log.add("post", index)
+        with self._lock:  # one request at a time, as a server serves them
+            time.sleep(self.reply_s)
+            self.log.add("reply", index)
+        if index == self.fail_at:
+            raise RuntimeError(f"bucket {index}: rejected 1 parameter(s): {names[0]}: bad shape")
+
+
+class Group:
+    """Rank 0's end of the group: each broadcast completes at once, logged."""
+
+    def __init__(self, log: Log) -> None:
+        self.log, self.count = log, 0
+
+    def broadcast(self, tensor, src, async_op=False):
+        self.log.add("broadcast", self.count)
+        self.count += 1
+
+
+def push(num_buckets: int, pipeline: bool, fail_at: int | None = None):
+    log = Log()
+    channel = Channel(log, fail_at)
+    updater = WeightUpdater([channel], bucket_bytes=1024, pipeline_requests=pipeline)
+    updater._group = Group(log)  # the broadcasts' bytes are not under test here
+    tensors = [(f"t{i}", torch.full((200,), float(i))) for i in range(num_buckets)]  # 800 B each
+    try:
+        updater.update(tensors, weight_version="v1")
+        error = None
+    except WeightSyncError as e:
+        error = str(e)
+    loaded = updater.loaded_any
+    updater._pool.shutdown()
+    return log, channel, error, loaded
+
+
+def test_pipelined_requests_are_posted_after_the_broadcast_before_the_reply():
+    log, channel, error, _ = push(5, pipeline=True)
+    assert error is None
+    at = log.at
+    # The second bucket waits for the first one's reply: a refused first bucket changes nothing.
+    assert at("post", 1) > at("reply", 0)
+    for k in range(2, 4):
+        assert at("broadcast", k - 1) < at("post", k) < at("reply", k - 1), log.events
+        assert at("post", k) > at("reply", k - 2)  # at most two requests in flight
+    # The last bucket sets the version: posted only once every earlier bucket loaded.
+    assert at("post", 4) > at("reply", 3)
+    assert channel.calls == ["pause", "begin", "end", "continue"]
+
+
+class AsyncGroup:
+    """Rank 0's end for per-tensor buckets: each broadcast is a work whose wait is logged as
+    ("sent", bucket * 10 + tensor); tensors are named ``t<bucket>_<tensor>``."""
+
+    def __init__(self, log: Log, fail_at: int | None = None) -> None:
+        self.log, self.count, self.fail_at = log, 0, fail_at
+
+    def broadcast(self, tensor, src, async_op=False):
+        assert async_op
+        code, self.count = self.count, self.count + 1
+
+        def wait():
+            if code == self.fail_at:
+                raise RuntimeError("Connection closed by peer")
+            self.log.add("sent", code)
+
+        return SimpleNamespace(wait=wait)
+
+
+def test_per_tensor_bucket_posts_the_next_after_its_first_message():
+    """The next request travels while the rest of bucket k is on the wire: posted after
+    bucket k's first tensor was received, before its last."""
+    log = Log()
+    channel = Channel(log)
+    updater = WeightUpdater([channel], bucket_bytes=800, unpacked_from_bytes=1)
+    assert updater.pipeline_requests
+    updater._group = AsyncGroup(log)
+    post = updater._post
+
+    def logged_post(bucket, index, weight_version):  # on the sender's thread, in order
+        log.add("posting", index)
+        return post(bucket, index, weight_version)
+
+    updater._post = logged_post
+    tensors = [(f"t{k}_{j}", torch.zeros(100)) for k in range(4) for j in range(2)]  # 400 B
+    updater.update(tensors, weight_version="v1")
+    updater._pool.shutdown()
+    at = log.at
+    # Bucket k's tensors are broadcasts 2k and 2k + 1; bucket 2 is the first posted ahead:
+    # after bucket 1's first message, before its second and before bucket 1's reply.
+    assert at("sent", 2) < at("posting", 2) < at("sent", 3), log.events
+    assert at("posting", 2) < at("reply", 1)
+    assert at("posting", 3) > at("reply", 2)  # the last bucket: after every reply
+
+
+def test_without_pipelining_each_request_waits_for_the_previous_reply():
+    log, _, error, _ = push(4, pipeline=False)
+    assert error is None
+    assert [e for e in log.events if e[0] != "broadcast"] == [
+        (kind, k) for k in range(4) for kind in ("post", "reply")
+    ]
+
+
+def test_failure_mid_pipeline_keeps_the_servers_paused_and_changed():
+    """Bucket 2 is refused while bucket 3 is already posted and broadcast: bucket 3 loads, no
+    further bucket is posted, the servers count as changed and stay paused."""
+    log, channel, error, loaded = push(6, pipeline=True, fail_at=2)
+    assert error is not None and loaded
+    assert "bucket 2" in error and "t2" in error and "bad shape" in error
+    assert "bucket 3, posted before that failure was known, loaded on every server" in error
+    assert "stay paused" in error and "No server changed weights" not in error
+    posted = [k for kind, k in log.events if kind == "post"]
+    assert posted == [0, 1, 2, 3]  # nothing after the failure was known
+    assert channel.calls == ["pause", "begin", "end"]  # no continue_generation
+
+
+def test_refused_first_bucket_changes_nothing_even_when_pipelined():
+    log, channel, error, loaded = push(4, pipeline=True, fail_at=0)
+    assert error is not None and not loaded
+    assert "No server changed weights" in error
+    assert [k for kind, k in log.events if kind == "post"] == [0]
+    assert channel.calls == ["pause", "begin", "end", "continue"]
+
+
+def test_gloo_root_peers_follow_the_binomial_tree():
+    # gloo/broadcast.cc from root 0: vrank 0 sends to vrank 0 ^ (1 << i) for every i.
+    assert gloo_root_peers(1) == []
+    assert gloo_root_peers(2) == [1]
+    assert gloo_root_peers(3) == [1, 2]
+    assert gloo_root_peers(9) == [1, 2, 4, 8]
+
+
+@pytest.mark.parametrize(
+    "backend, ranks, expected",
+    [
+        ("gloo", [1], True),
+        ("gloo", [1, 1], True),  # ranks 1 and 2
+        ("gloo", [1, 1, 1], False),  # rank 3 is reached through rank 1
+        ("gloo", [2, 2], True),  # ranks 1-2 and 3-4: 4 is rank 0's peer
+        ("gloo", [2, 2, 2], False),  # ranks 5-6
+        ("nccl", [1], False),  # no completion proof on NCCL
+    ],
+)
+def test_pipelining_needs_rank_0_to_reach_every_server(backend, ranks, expected):
+    assert can_pipeline_requests(backend, ranks) is expected
+
+
+def test_forced_pipelining_where_unsafe_is_refused():
+    channels = [Channel(Log()) for _ in range(3)]
+    with pytest.raises(ValueError, match="pipeline_requests=True needs a gloo group"):
+        WeightUpdater(channels, pipeline_requests=True)
+    with pytest.raises(ValueError, match="pipeline_requests must be"):
+        WeightUpdater(channels[:1], pipeline_requests="yes")
+    assert WeightUpdater(channels).pipeline_requests is False  # auto: three servers of 1 rank
+    assert WeightUpdater(channels[:1]).pipeline_requests is True
+
+
+def test_sglang_serves_a_paused_servers_update_requests_one_at_a_time():
+    """The fact pipelining relies on, from SGLang 0.5.23's source: while paused, an update
+    request holds ``is_pause_cond`` (an ``asyncio.Condition``: its lock wakes waiters in
+    order) around the whole scheduler call, so a later request waits for the reply."""
+    import ast
+
+    import sglang_reference as ref
+
+    manager = ref.source("srt/managers/tokenizer_manager.py")
+    assert "self.is_pause_cond = asyncio.Condition()" in manager
+    tree = ast.parse(ref.source("srt/managers/tokenizer_control_mixin.py"))
+    (update,) = [
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.AsyncFunctionDef) and node.name == "update_weights_from_distributed"
+    ]
+    held = [
+        ast.unparse(inner)
+        for node in ast.walk(update)
+        if isinstance(node, ast.AsyncWith) and ast.unparse(node.items[0]) == "self.is_pause_cond"
+        for inner in ast.walk(node)
+        if isinstance(inner, ast.Await)
+    ]
+    assert held == ["await self.update_weights_from_distributed_communicator(obj)"]
+
+
+def _logprobs(model, prompt: list[int], response: list[int]) -> torch.Tensor:
+    """Log-probs [R] of ``response`` after ``prompt`` under ``model`` at temperature 1."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + response])).logits[0, len(prompt) - 1 : -1]
+    return torch.log_softmax(logits, -1).gather(1, torch.tensor(response)[:, None]).view(-1)
+
+
+def test_embedded_server_mid_pipeline_failure_loads_whole_requests_only(tiny_checkpoint):
+    """Five buckets to the embedded server, pipelined; bucket 2 is refused (an unknown name)
+    while bucket 3 is already posted: buckets 0, 1 and 3 load whole, bucket 2 not at all (its
+    good tensor neither), bucket 4 is never posted; the server stays paused under its old
+    version. Checked by log-probs against transformers with exactly those weights."""
+    from transformers import AutoModelForCausalLM
+
+    from megatron_sat.rollout.client import SamplingParams
+    from megatron_sat.rollout.embedded.launch import EmbeddedServer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32).eval()
+    params = dict(model.named_parameters())
+    layer = "model.layers.{}."
+    buckets = [  # bucket_bytes 256: each line is one bucket (a 4 KiB o_proj travels alone)
+        [
+            layer.format(0) + "input_layernorm.weight",
+            layer.format(0) + "post_attention_layernorm.weight",
+        ],
+        [
+            layer.format(1) + "input_layernorm.weight",
+            layer.format(1) + "post_attention_layernorm.weight",
+        ],
+        ["model.norm.weight", "model.layers.0.mlp.unknown"],
+        [layer.format(0) + "self_attn.o_proj.weight"],
+        [layer.format(1) + "self_attn.o_proj.weight"],  # the last: posted after every reply
+    ]
+    new = {
+        name: params[name].detach() + 0.5 if name in params else torch.zeros(32)
+        for bucket in buckets
+        for name in bucket
+    }
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=5, sampling_seed=7)
+    prompt = [5, 17, 3, 9]
+    with EmbeddedServer(tiny_checkpoint, random_seed=0, dist_timeout_s=60) as server:
+        client = server.client()
+        with WeightUpdater([client], bucket_bytes=256, timeout_s=60) as updater:
+            assert updater.pipeline_requests  # auto: one gloo server
+            with pytest.raises(WeightSyncError) as info:
+                updater.update(list(new.items()), weight_version="never")
+        assert updater.loaded_any
+        text = str(info.value)
+        assert "bucket 2" in text and "model.layers.0.mlp.unknown: unknown parameter" in text
+        assert "bucket 3, posted before that failure was known, loaded on every server" in text
+        assert "bucket 4" not in text and "stay paused" in text
+        assert client.get_weight_version() == "default"
+        client.continue_generation()  # left paused by the push; resumed here to read it
+        (out,) = client.generate(prompt, sampling)
+    served = torch.tensor(out.output_token_logprobs)
+    with torch.no_grad():
+        for name in buckets[0] + buckets[1] + buckets[3]:
+            params[name].copy_(new[name])
+        expected = _logprobs(model, prompt, out.output_ids)
+        params["model.norm.weight"].copy_(new["model.norm.weight"])  # as if bucket 2 half-loaded
+        half = _logprobs(model, prompt, out.output_ids)
+    torch.testing.assert_close(served, expected, atol=1e-5, rtol=0)
+    assert (served - half).abs().max() > 1e-3
+
+
+def test_broken_broadcast_mid_pipeline_still_sends_the_bucket_posted_ahead():
+    """Bucket 2's second message fails after bucket 3 was posted: bucket 3 is still broadcast
+    (its server would wait for it otherwise), both replies are awaited, nothing more is
+    posted, and the servers, which may hold part of a per-tensor bucket, stay paused."""
+    log = Log()
+    channel = Channel(log, reply_s=0.05)
+    updater = WeightUpdater([channel], bucket_bytes=800, unpacked_from_bytes=1)
+    updater._group = AsyncGroup(log, fail_at=5)  # bucket 2's second tensor
+    tensors = [(f"t{k}_{j}", torch.zeros(100)) for k in range(6) for j in range(2)]
+    with pytest.raises(WeightSyncError, match="rank 0 broadcast failed") as info:
+        updater.update(tensors, weight_version="v1")
+    updater._pool.shutdown()
+    assert updater.loaded_any and "stay paused" in str(info.value)
+    assert [k for kind, k in log.events if kind == "post"] == [0, 1, 2, 3]
+    assert ("sent", 6) in log.events and ("sent", 7) in log.events  # bucket 3 went out
+    assert ("reply", 3) in log.events and channel.calls == ["pause", "begin", "end"]
