@@ -363,3 +363,17 @@ def test_a_non_utf8_line_is_named_with_its_file_line_and_column(tmp_path):
     assert str(info.value).startswith(
         f"{path}, line 3: not UTF-8 (byte 0xe9 at column 16: invalid continuation byte)"
     )
+
+
+def test_a_caller_editing_a_parsed_matrix_label_does_not_change_later_rewards():
+    """A pmatrix label parses to a mutable sympy matrix: the memo hands out copies, so editing
+    one cannot make a wrong answer score (found by review: it did, 1.0 for a 99)."""
+    from megatron_sat.rollout import rewards
+
+    label = r"\begin{pmatrix} 1 & 2 \\ 3 & 4 \end{pmatrix}"
+    rewards.parse_label(label)[0][0, 0] = 99
+    assert rewards.parse_label(label)[0][0, 0] == 1
+    wrong = r"\boxed{\begin{pmatrix} 99 & 2 \\ 3 & 4 \end{pmatrix}}"
+    right = r"\boxed{\begin{pmatrix} 1 & 2 \\ 3 & 4 \end{pmatrix}}"
+    assert rewards.math_reward(wrong, label) == 0.0
+    assert rewards.math_reward(right, label) == 1.0

@@ -19,6 +19,7 @@ without timeouts; it is expected.
 
 from __future__ import annotations
 
+import copy
 import functools
 import multiprocessing
 import os
@@ -32,6 +33,7 @@ from concurrent.futures import Future, InvalidStateError, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
 from math_verify import parse, verify
+from sympy import Basic
 
 from megatron_sat.rollout.reward_plugins import (
     RewardPluginError,
@@ -106,7 +108,12 @@ def parse_label(label: str, *, timeout_s: int | None = None) -> list:
             wrong answer), or `timeout_s` is invalid here; raised on every call, never cached.
     """
     _check_timeout(timeout_s)
-    return list(_parse_label_cached(label, timeout_s))
+    # sympy expressions and str are immutable; anything else (a pmatrix label parses to a
+    # MutableDenseMatrix) is copied, so that no caller can edit the memo's value.
+    return [
+        g if isinstance(g, (Basic, str)) else copy.deepcopy(g)
+        for g in _parse_label_cached(label, timeout_s)
+    ]
 
 
 @functools.lru_cache(maxsize=LABEL_CACHE_SIZE)
@@ -115,9 +122,9 @@ def _parse_label_cached(label: str, timeout_s: int | None) -> tuple:
     share its label, and the label's parse was over 95% of `math_reward`'s cost (2-digit
     arithmetic labels, 2-core CPU, load 3: 0.8-1.2 ms of Python per reward without the memo,
     1-55 us with it), Python that the async pool's reward threads run under the trainer's GIL
-    (bench/async_throughput.py) or a reward worker beside the trainer. A tuple so that no
-    caller can edit the cached value; sympy expressions are immutable. Errors are raised,
-    never cached."""
+    (bench/async_throughput.py) or a reward worker beside the trainer. Its values are never
+    handed out as they are: `parse_label` copies the mutable ones. Errors are raised, never
+    cached."""
     if not label.strip():
         raise ValueError("label is empty")
     # Wrapping in \boxed{} puts the gold answer through the same extraction path as the answer.
