@@ -138,10 +138,17 @@ CHILDREN = textwrap.dedent(
 
     assert fork_manager_for_dist_checkpointing()
     queue = filesystem_async.get_write_results_queue()  # what the checkpoint writer calls
-    worker = mp.get_context("fork").Process(target=time.sleep, args=(600,))
+    # daemon: should this script fail, it exits at once rather than wait for the sleeper
+    worker = mp.get_context("fork").Process(target=time.sleep, args=(600,), daemon=True)
     worker.start()
-    kids = [int(p) for p in os.listdir("/proc") if p.isdigit()
-            and open(f"/proc/{p}/stat").read().split()[3] == str(os.getpid())]
+
+    def parent_of(pid):
+        try:  # a process of the busy machine may end between listdir and open
+            return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1]
+        except OSError:
+            return None
+
+    kids = [int(p) for p in os.listdir("/proc") if p.isdigit() and parent_of(p) == str(os.getpid())]
     print(" ".join(map(str, kids)), flush=True)
     time.sleep(600)
     """
