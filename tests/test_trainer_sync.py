@@ -129,6 +129,7 @@ def test_main_loop_end_to_end(tmp_path, tiny_checkpoint, megatron_world):
         assert key in rows[2], key
     assert rows[2]["train/topk_match_r3"] == 1.0
     assert json.loads((run / "summary.json").read_text()) == summary
+    assert (summary["rollout_mode"], summary["lag"]) == ("sync", None)
     assert summary["acc_greedy"]["warm_start"] == rows[0]["eval/acc_greedy"]
     from transformers import AutoModelForCausalLM
 
@@ -165,7 +166,7 @@ def test_main_loop_with_fixed_lag(tmp_path, tiny_checkpoint, megatron_world):
     train, test = make_arith_splits(64, 4, seed=1, max_digits=1)
     for name, rows in (("train", train), ("test", test)):
         (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    run_rl(
+    summary = run_rl(
         load_config(
             None,
             [
@@ -188,6 +189,7 @@ def test_main_loop_with_fixed_lag(tmp_path, tiny_checkpoint, megatron_world):
     ages = [(r["rollout/staleness_mean"], r["rollout/staleness_max"]) for r in rows[1:]]
     assert ages == [(0.0, 0.0), (1.0, 1.0), (2.0, 2.0), (2.0, 2.0)]
     assert rows[-1]["rollout/staleness_frac_age2"] == 1.0
+    assert (summary["rollout_mode"], summary["lag"]) == ("fixed_lag", 2)
     with pytest.raises(ValueError, match="update_weights_interval applies to mode=sync"):
         load_config(None, ["rollout.mode=bounded", "rollout.update_weights_interval=2"])
 

@@ -778,6 +778,9 @@ def make_summary(
         "objective": cfg.objective.name,
         "use_r3": cfg.train.use_r3,
         "update_weights_interval": cfg.rollout.update_weights_interval,
+        # rollout.mode and its lag (None in sync mode), so an async run's summary says so
+        "rollout_mode": cfg.rollout.mode,
+        "lag": None if cfg.rollout.mode == "sync" else cfg.rollout.lag,
         "num_steps": cfg.train.num_steps,
         "wall_time_s": round(seconds, 1),
     }
