@@ -133,6 +133,23 @@ class ReplyParser:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def start(self) -> None:
+        """Start the workers now, and wait until each is ready to serve (about 0.3 s: its
+        imports), so that the first call is sent at once (the async pool starts its parser with
+        itself: a push right after the pool's first requests must find them at the server).
+        Idempotent; the first call starts them otherwise.
+
+        Raises:
+            ReplyParserError: when a worker died starting, or after ``close()``.
+        """
+        with self._lock:
+            if self._closed:
+                raise ReplyParserError("reply parser used after close()")
+            if not self._workers and self._broken is None:
+                self._start()
+            if self._broken is not None:
+                raise ReplyParserError(self._broken)
+
     @property
     def pids(self) -> list[int]:
         """The workers' process ids (empty before the first call)."""
@@ -231,6 +248,8 @@ class ReplyParser:
                 raise ReplyParserError(self._broken)
             if not self._workers:
                 self._start()
+            if self._broken is not None:
+                raise ReplyParserError(self._broken)
             worker = min(self._workers, key=lambda w: len(w.calls))
             worker.calls[call.id] = call
             return worker
@@ -249,6 +268,16 @@ class ReplyParser:
             )
             theirs.close()  # the worker's death then reads as EOF here
             worker = _Worker(index, process, ours)
+            try:
+                recv_frame(ours)  # the worker's ready frame: its imports done
+            except (EOFError, OSError) as e:
+                code = _end(process, timeout_s=5)
+                self._broken = (
+                    f"reply parser worker {index} (pid {process.pid}) died starting ({e!r}, exit "
+                    f"code {code}; its stderr says why): no reply is parsed"
+                )
+                ours.close()
+                return
             worker.reader = threading.Thread(
                 target=self._read, args=(worker,), name=f"reply-parser{index}", daemon=True
             )

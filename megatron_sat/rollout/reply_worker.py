@@ -50,6 +50,10 @@ def serve(sock: socket.socket) -> None:
     to handle: the worker exits with the socket."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     server = _Server(sock)
+    try:
+        send_frame(sock, b"")  # ready: the imports are done
+    except OSError:
+        return
     while True:
         try:
             call_id, kind, args, size = pickle.loads(recv_frame(sock))

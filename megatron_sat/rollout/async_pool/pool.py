@@ -119,7 +119,11 @@ class AsyncRolloutPool(Admission, Clock, PoolState):
 
         Raises:
             RuntimeError: when called twice.
+            ReplyParserError: when a reply worker process died starting.
         """
+        if self._reply_parser is not None:
+            # Ready before the first request: it is sent from there (rollout.reply_parser).
+            self._reply_parser.start()
         with self._cond:
             if self._started:
                 raise RuntimeError("AsyncRolloutPool.start() called twice")
