@@ -12,6 +12,7 @@ seeded async pool makes the same samples. One parser and one server serve the mo
 from __future__ import annotations
 
 import os
+import pickle
 import signal
 import socket
 import struct
@@ -196,7 +197,9 @@ def test_a_worker_killed_with_calls_in_flight_fails_them_all_by_name(server):
 
         def call(k: int) -> None:
             try:
-                client.generate([HOLD, k], SamplingParams(max_new_tokens=2), reply_parser=own)
+                client.generate(
+                    [HOLD, k], SamplingParams(max_new_tokens=2, sampling_seed=k), reply_parser=own
+                )
             except BaseException as e:  # the test inspects it
                 errors[k] = e
 
@@ -259,3 +262,28 @@ def test_the_pool_makes_the_same_samples_with_the_fetch_in_workers(server):
         assert a.response_versions == b.response_versions and a.reward == b.reward
         assert a.routed_experts.dtype == b.routed_experts.dtype
         assert a.routed_experts.tobytes() == b.routed_experts.tobytes()
+
+
+def test_errors_cross_with_their_class_message_and_attributes():
+    from megatron_sat.rollout.engine import RequestTimeoutError, SGLangRequestError
+    from megatron_sat.rollout.protocol import ProtocolViolation, ReplyRefused
+    from megatron_sat.rollout.reply_parser import _rebuild, portable
+
+    errors = [
+        SGLangRequestError("POST x/generate -> HTTP 400: too long", 400),
+        RequestTimeoutError("POST x/generate timed out"),
+        ProtocolViolation("x/generate: weight_version '9'", "future_version"),
+        ReplyRefused("x/generate: reply larger than its cap", "too_large"),
+        SGLangError("x/generate failed: ConnectError('refused')"),
+    ]
+    for error in errors:
+        back = _rebuild(pickle.loads(pickle.dumps(portable(error))))
+        assert (type(back), str(back)) == (type(error), str(error))
+        assert getattr(back, "status_code", None) == getattr(error, "status_code", None)
+        assert getattr(back, "kind", None) == getattr(error, "kind", None)
+    assert RequestTimeoutError("t").status_code == 408 == _rebuild(portable(errors[1])).status_code
+    # a class the parent cannot import is named, not changed silently
+    lost = _rebuild(("no_such_module", "Boom", ("it broke",), {}))
+    assert isinstance(lost, ReplyParserError)
+    assert "no_such_module.Boom raised in a reply parser worker could not be rebuilt" in str(lost)
+    assert "it broke" in str(lost)
