@@ -33,7 +33,7 @@ from megatron_sat.rollout.sampling import SamplingParams
 # The server's behaviour, chosen by a prompt's first token.
 MALFORMED_ONCE = 900  # the first reply to it is not JSON, then a good one
 ALWAYS_MALFORMED = 901
-HOLD = 902  # waits for the test's release (a generation in progress)
+HOLD = 902  # 902, 903: wait for the test's release (a generation in progress)
 DELAY = 800  # 800 + k: the reply waits 0.05 * k s
 
 
@@ -75,7 +75,7 @@ class _Server:
             count = self.seen[first]
         if first == ALWAYS_MALFORMED or (first == MALFORMED_ONCE and count == 1):
             return b'{"meta_info": [1]}'
-        if first == HOLD:
+        if first in (HOLD, HOLD + 1):
             self.release.wait(60)
         if DELAY <= first < DELAY + 20:
             time.sleep(0.05 * (first - DELAY))
@@ -287,3 +287,37 @@ def test_errors_cross_with_their_class_message_and_attributes():
     assert isinstance(lost, ReplyParserError)
     assert "no_such_module.Boom raised in a reply parser worker could not be rebuilt" in str(lost)
     assert "it broke" in str(lost)
+
+
+def test_close_ends_the_calls_in_flight_with_a_named_error(server):
+    server.release.clear()
+    client = _client(server.url)
+    held = server.seen.get(HOLD + 1, 0)
+    errors: list[BaseException | None] = [None] * 2
+    own = ReplyParser(1)
+    own.start()
+    assert len(own.pids) == 1
+
+    def call(k: int) -> None:
+        try:
+            client.generate(
+                [HOLD + 1, k], SamplingParams(max_new_tokens=2, sampling_seed=k), reply_parser=own
+            )
+        except BaseException as e:  # the test inspects it
+            errors[k] = e
+
+    threads = [threading.Thread(target=call, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 30
+    while server.seen.get(HOLD + 1, 0) < held + 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    own.close()
+    for t in threads:
+        t.join(timeout=30)
+    server.release.set()
+    assert not any(t.is_alive() for t in threads), "close() left a call waiting"
+    for error in errors:
+        assert isinstance(error, ReplyParserError) and "closed" in str(error)
+    with pytest.raises(ReplyParserError, match="used after close"):
+        own.start()
