@@ -44,8 +44,8 @@ class AsyncRolloutPool(Admission, Clock, PoolState):
             position), so a sample does not depend on which server or attempt served it.
 
     The pool owns the reply parser of ``config.reply_parse_workers`` (its processes start with
-    the first reply and stop with :meth:`stop`) and hands it to its ``SGLangClient``s; other
-    clients (vLLM's) parse their replies themselves.
+    :meth:`start` and stop with :meth:`stop`; they make the ``/generate`` calls) and hands it to
+    its ``SGLangClient``s; other clients (vLLM's) make and parse their calls themselves.
 
     Raises:
         ValueError: without clients, for a meter of another server count, or for
