@@ -44,7 +44,7 @@ import struct
 import subprocess
 import sys
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -133,11 +133,17 @@ class ReplyParser:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def start(self) -> None:
-        """Start the workers now, and wait until each is ready to serve (about 0.3 s: its
-        imports), so that the first call is sent at once (the async pool starts its parser with
-        itself: a push right after the pool's first requests must find them at the server).
-        Idempotent; the first call starts them otherwise.
+    def start(self, client_specs: Sequence[dict[str, Any] | None] = ()) -> None:
+        """Start the workers now and wait until each is ready to serve (about 0.3 s: its
+        imports; then the clients of ``client_specs`` built: a worker's first call to a server
+        otherwise waits for its client, 40 ms measured), so that the first calls go out at
+        once (the async pool starts its parser with itself: a push right after the pool's
+        first requests must find them at the server).
+        Idempotent (a second call builds nothing); the first call starts them otherwise.
+
+        Args:
+            client_specs: ``SGLangClient.worker_spec()`` of the clients to serve (None ones
+                skipped).
 
         Raises:
             ReplyParserError: when a worker died starting, or after ``close()``.
@@ -146,7 +152,7 @@ class ReplyParser:
             if self._closed:
                 raise ReplyParserError("reply parser used after close()")
             if not self._workers and self._broken is None:
-                self._start()
+                self._start([spec for spec in client_specs if spec is not None])
             if self._broken is not None:
                 raise ReplyParserError(self._broken)
 
@@ -254,10 +260,14 @@ class ReplyParser:
             worker.calls[call.id] = call
             return worker
 
-    def _start(self) -> None:
+    def _start(self, client_specs: Sequence[dict[str, Any]] = ()) -> None:
+        """Spawn the workers, hand each ``client_specs`` (the clients it builds before its
+        first call) and wait until each is ready; a worker that dies starting breaks the
+        parser."""
         # The package's root first on the worker's path, as it is importable here.
         root = str(Path(__file__).resolve().parents[2])
         path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+        spawned = []
         for index in range(self.num_workers):
             ours, theirs = socket.socketpair()
             process = subprocess.Popen(
@@ -267,19 +277,19 @@ class ReplyParser:
                 env={**os.environ, "PYTHONPATH": path},
             )
             theirs.close()  # the worker's death then reads as EOF here
-            worker = _Worker(index, process, ours)
+            spawned.append(_Worker(index, process, ours))
+        for worker in spawned:
             try:
-                recv_frame(ours)  # the worker's ready frame: its imports done
+                send_frame(worker.sock, pickle.dumps(list(client_specs), pickle.HIGHEST_PROTOCOL))
+                recv_frame(worker.sock)  # the worker's ready frame: imports and clients done
             except (EOFError, OSError) as e:
-                code = _end(process, timeout_s=5)
-                self._broken = (
-                    f"reply parser worker {index} (pid {process.pid}) died starting ({e!r}, exit "
-                    f"code {code}; its stderr says why): no reply is parsed"
+                code = _end(worker.process, timeout_s=5)
+                self._broken = self._broken or (
+                    f"reply parser worker {worker.index} (pid {worker.process.pid}) died "
+                    f"starting ({e!r}, exit code {code}; its stderr says why): no reply is parsed"
                 )
-                ours.close()
-                return
             worker.reader = threading.Thread(
-                target=self._read, args=(worker,), name=f"reply-parser{index}", daemon=True
+                target=self._read, args=(worker,), name=f"reply-parser{worker.index}", daemon=True
             )
             self._workers.append(worker)
             worker.reader.start()

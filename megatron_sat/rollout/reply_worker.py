@@ -12,6 +12,7 @@ with its result; the content checks (``ReplyGuard.check_output``) are the parent
 from __future__ import annotations
 
 import dataclasses
+import encodings.idna  # noqa: F401  # httpx imports it at a client's first request (20 ms)
 import importlib
 import pickle
 import signal
@@ -51,8 +52,10 @@ def serve(sock: socket.socket) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     server = _Server(sock)
     try:
-        send_frame(sock, b"")  # ready: the imports are done
-    except OSError:
+        for spec in pickle.loads(recv_frame(sock)):  # the clients to build before any call
+            server.client(spec)
+        send_frame(sock, b"")  # ready
+    except (EOFError, OSError):
         return
     while True:
         try:
@@ -94,7 +97,7 @@ class _Server:
     def _fetch(
         self, spec: dict[str, Any], body: dict[str, Any], request: ReplyRequest, cap: int
     ) -> tuple[str, Any, str, dict[str, int]]:
-        client = self._client(spec)
+        client = self.client(spec)
         with client.guard.counting() as tally:
             try:
                 outputs = client.fetch_reply(body, request, cap, parse_in_thread).outputs()
@@ -102,7 +105,8 @@ class _Server:
             except Exception as e:  # handed to the parent with its class
                 return STAGE_RAISE, portable(e), traceback.format_exc(), dict(tally)
 
-    def _client(self, spec: dict[str, Any]) -> SGLangClient:
+    def client(self, spec: dict[str, Any]) -> SGLangClient:
+        """The client of ``spec`` (``SGLangClient.worker_spec``), built on first use."""
         key = tuple(sorted(spec.items()))
         with self.clients_lock:
             client = self.clients.get(key)

@@ -122,8 +122,10 @@ class AsyncRolloutPool(Admission, Clock, PoolState):
             ReplyParserError: when a reply worker process died starting.
         """
         if self._reply_parser is not None:
-            # Ready before the first request: it is sent from there (rollout.reply_parser).
-            self._reply_parser.start()
+            # Ready, its clients built, before the first request: it is sent from there.
+            self._reply_parser.start(
+                [c.worker_spec() for c in self.clients if isinstance(c, SGLangClient)]
+            )
         with self._cond:
             if self._started:
                 raise RuntimeError("AsyncRolloutPool.start() called twice")
