@@ -61,21 +61,26 @@ backward and Adam of a small MLP, one thread) timed alone and with the pool's re
 beside it at full rate, as the async pool's workers take replies as they arrive
 (:func:`overlap_times`). ``overlap_step_time_ratio`` = beside / alone of the step time less the
 trainer thread's run-queue wait (goal <= 1.1) for the path as built (``rollout.reply_parse_workers``
-= 1): a thread of the trainer's process POSTs to a stand-in server in another process, reads the
-body with httpx, hands it to a ``rollout.reply_parser`` worker process and takes the outputs
-back (``SGLangClient.generate``), then builds the ``Sample``. The run-queue correction keeps what
+= 1): a thread of the trainer's process sends the request to a ``rollout.reply_parser`` worker
+process, which POSTs to a stand-in server in another process, reads the body and parses it, and
+takes the compact outputs back (``SGLangClient.generate``), then builds the ``Sample``: the body
+never enters the trainer's process. The run-queue correction keeps what
 the reply path costs the trainer through the process they share (GIL waits, shared caches),
 without the cores the parse, the stand-in server and the machine's other jobs take on this
 machine's two shared cores, which a GPU node's rank 0 has to spare;
 ``overlap_step_time_ratio_wall`` is the wall-clock ratio, cores included. In the same run:
-``..._handover`` (the bodies already in memory, handed to the worker: the path without HTTP),
-``..._parse_in_thread`` (the parse in the trainer's process, ``reply_parse_workers`` = 0: the
-path before), ``..._parse_in_process`` (the whole in-thread loop in a forked process: the
-floor), with each case's tokens per second (``overlap_parse_tokens_per_s...``: how fast it ran
+``..._http_here`` (the path before: the body read by httpx in the trainer's thread and handed
+to the worker for the parse), ``..._handover`` (the bodies already in memory, handed to the
+worker: the hand-over without HTTP), ``..._parse_in_thread`` (the parse in the trainer's
+process, ``reply_parse_workers`` = 0: the path before that), ``..._parse_in_process`` (the
+whole in-thread loop in a forked process: the floor), with each case's tokens per second
+(``overlap_parse_tokens_per_s...``: how fast it ran
 beside the trainer). What the trainer's process still pays per reply, alone: the HTTP read
 (``http_read_s_per_million_tokens``, and the calling thread's CPU seconds
 ``http_read_cpu_s_per_million_tokens``: httpx reading 2 KB per token) and the hand-over
-(``handover_cpu_s_per_million_tokens``: mostly the kernel's copies, the GIL released).
+(``handover_cpu_s_per_million_tokens``: mostly the kernel's copies, the GIL released); the
+trainer's process's CPU for the whole reply path, alone, every thread counted
+(``fetch_process_cpu_s_per_million_tokens``, and ``..._http_here`` for the path before).
 ``load_average`` is ``/proc/loadavg``'s 1-minute figure before and after the run.
 
 Usage: ``python bench/data_path.py [--prompts 32 --group-size 16 --scale 16 --repeats 3]``.
@@ -572,8 +577,10 @@ def _serve_bodies(bodies: list[bytes], ready) -> None:
 
 class _HTTPReplies:
     """The pool worker's path per reply, against :func:`_serve_bodies` in another process:
-    ``SGLangClient.generate`` (the POST, the body read by httpx under the guard's cap, the parse
-    by ``parser``, the guard's checks), then ``token_versions`` and the ``Sample``, as
+    ``SGLangClient.generate`` with ``parser`` (as built: the POST, the body read under the
+    guard's cap and the parse all in ``parser``'s worker process; with ``here``: the POST and
+    the body's read by httpx in the calling thread, the parse in the worker, the path before),
+    the guard's checks, then ``token_versions`` and the ``Sample``, as
     ``rollout.async_pool.workers`` does."""
 
     def __init__(self, bodies: list[bytes], prompts: list[int], layers: int) -> None:
@@ -586,26 +593,38 @@ class _HTTPReplies:
         ready = context.Queue()
         self.server = context.Process(target=_serve_bodies, args=(bodies, ready), daemon=True)
         self.server.start()
-        self.client = SGLangClient(f"http://127.0.0.1:{ready.get(timeout=120)}")
-        self.client.guard.pushed_version = 3
+
+        class ReadHere(SGLangClient):
+            """The reply read in the calling thread, parsed in the worker: a subclass that
+            changes ``fetch_reply`` has no ``worker_spec``."""
+
+            def fetch_reply(self, *args, **kwargs):
+                return super().fetch_reply(*args, **kwargs)
+
+        url = f"http://127.0.0.1:{ready.get(timeout=120)}"
+        self.client, self.client_here = SGLangClient(url), ReadHere(url)
+        assert self.client.worker_spec() is not None and self.client_here.worker_spec() is None
+        for client in (self.client, self.client_here):
+            client.guard.pushed_version = 3
         self.prompts = prompts
         self.news = [len(orjson.loads(b)["output_ids"]) for b in bodies]
         self.tokens = sum(prompts) + sum(self.news)
         self.routing = RoutingSpec(num_layers=layers, top_k=TOP_K, num_experts=NUM_EXPERTS)
 
-    def one_pass(self, parser) -> None:
-        """Every body once, in the server's order."""
+    def one_pass(self, parser, here: bool = False) -> None:
+        """Every body once, in the server's order (``here``: read in this thread)."""
         from megatron_sat.rollout.pool import token_versions
         from megatron_sat.rollout.sampling import SamplingParams
 
+        client = self.client_here if here else self.client
         for i, (p, r) in enumerate(zip(self.prompts, self.news, strict=True)):
-            (out,) = self.client.generate(
+            (out,) = client.generate(
                 [1] * p,
                 SamplingParams(max_new_tokens=r),
                 routing=self.routing,
                 reply_parser=parser,
             )
-            versions = token_versions(out, self.client.base_url)
+            versions = token_versions(out, client.base_url)
             _sample(i, p, out.output_ids, out.output_token_logprobs, versions, out.routed_experts)
 
     def read_cpu_s(self, passes: int) -> tuple[float, float]:
@@ -618,8 +637,16 @@ class _HTTPReplies:
                 assert reply.content
         return time.perf_counter() - wall, time.thread_time() - cpu
 
+    def process_cpu_s(self, parser, here: bool) -> float:
+        """CPU seconds of this whole process (every thread: the caller's, the parser's reader)
+        for one :meth:`one_pass`: what the reply path costs the trainer's process, alone."""
+        cpu = time.process_time()
+        self.one_pass(parser, here)
+        return time.process_time() - cpu
+
     def close(self) -> None:
         self.client.close()
+        self.client_here.close()
         self.server.kill()
         self.server.join()
 
@@ -654,9 +681,11 @@ def overlap_times(bodies, prompts: np.ndarray, layers: int, steps: int, repeats:
 
     - ``beside``: the path as built (``rollout.async_pool`` with ``reply_parse_workers`` = 1):
       a thread of the trainer's process does what a pool worker does per reply, over HTTP
-      from a stand-in server in another process (:class:`_HTTPReplies`): the POST, the body
-      read by httpx, the parse in a ``rollout.reply_parser.ReplyParser`` worker process, the
-      guard's checks and the ``Sample``;
+      from a stand-in server in another process (:class:`_HTTPReplies`): the request sent to a
+      ``rollout.reply_parser.ReplyParser`` worker process, which POSTs, reads the body and
+      parses it, the compact outputs taken back, the guard's checks and the ``Sample``;
+    - ``beside_http_here``: the same with the body read by httpx in that thread and handed to
+      the worker for the parse (the path before: the body in the trainer's process);
     - ``beside_handover``: the same without the HTTP: the bodies already in memory handed to
       the worker process and the outputs taken back (:func:`to_samples` with the parser);
     - ``beside_thread``: the parse in that thread itself (``reply_parse_workers`` = 0, the path
@@ -697,10 +726,12 @@ def overlap_times(bodies, prompts: np.ndarray, layers: int, steps: int, repeats:
 
     loops = {
         "beside": (lambda: http.one_pass(parser), http.tokens),
+        "beside_http_here": (lambda: http.one_pass(parser, here=True), http.tokens),
         "beside_handover": (lambda: to_samples(bodies, prompts, layers, parser), tokens_per_pass),
         "beside_thread": (lambda: to_samples(bodies, prompts, layers), tokens_per_pass),
     }
-    http.one_pass(parser)  # the worker process started, the connection open
+    http.one_pass(parser)  # the worker process started, the connections open
+    http.one_pass(parser, here=True)
     times: dict[str, list] = {"alone": [], **{k: [] for k in loops}, "beside_process": []}
     parsed: dict[str, list[int]] = {k: [] for k in loops}
     for _ in range(repeats):
@@ -722,6 +753,7 @@ def overlap_times(bodies, prompts: np.ndarray, layers: int, steps: int, repeats:
         proc.join()
     # What the trainer's process pays per reply besides the hand-over: the HTTP read, alone.
     http_wall, http_cpu = http.read_cpu_s(2)
+    fetch_cpu = {here: http.process_cpu_s(parser, here) for here in (False, True)}
     c0 = time.thread_time()
     to_samples(bodies, prompts, layers, parser)
     handover_cpu = time.thread_time() - c0
@@ -739,6 +771,8 @@ def overlap_times(bodies, prompts: np.ndarray, layers: int, steps: int, repeats:
     out["http_read_s_per_million_tokens"] = http_wall / (2 * http.tokens) * 1e6
     out["http_read_cpu_s_per_million_tokens"] = http_cpu / (2 * http.tokens) * 1e6
     out["handover_cpu_s_per_million_tokens"] = handover_cpu / tokens_per_pass * 1e6
+    out["fetch_process_cpu_s_per_million_tokens"] = fetch_cpu[False] / http.tokens * 1e6
+    out["fetch_process_cpu_s_per_million_tokens_http_here"] = fetch_cpu[True] / http.tokens * 1e6
     return out
 
 
@@ -764,6 +798,7 @@ def overlap_figures(overlap: dict, steps: int) -> dict:
     out = {}
     cases = (
         ("", "beside"),
+        ("_http_here", "beside_http_here"),
         ("_handover", "beside_handover"),
         ("_parse_in_thread", "beside_thread"),
         ("_parse_in_process", "beside_process"),
@@ -775,14 +810,25 @@ def overlap_figures(overlap: dict, steps: int) -> dict:
         out[f"overlap_step_time_ratio{suffix}"] = round(ratio, 3)
         out[f"overlap_step_time_ratio{suffix}_wall"] = round(wall, 3)
     out["goal_overlap_step_time_ratio"] = 1.1
-    for suffix, key in (("", "beside"), ("_handover", "beside_handover")):
+    for suffix, key in (
+        ("", "beside"),
+        ("_http_here", "beside_http_here"),
+        ("_handover", "beside_handover"),
+    ):
         out[f"overlap_parse_tokens_per_s{suffix}"] = round(
             overlap[f"{key}_parsed_tokens"] / (overlap[f"{key}_s"] * steps)
         )
     out["overlap_parse_tokens_per_s_parse_in_thread"] = round(
         overlap["beside_thread_parsed_tokens"] / (overlap["beside_thread_s"] * steps)
     )
-    for key in ("alone", "beside", "beside_handover", "beside_thread", "beside_process"):
+    for key in (
+        "alone",
+        "beside",
+        "beside_http_here",
+        "beside_handover",
+        "beside_thread",
+        "beside_process",
+    ):
         out[f"overlap_step_s_{key}"] = round(overlap[f"{key}_s"], 5)
         if overlap[f"{key}_uncontended_s"] is not None:
             out[f"overlap_step_s_{key}_uncontended"] = round(overlap[f"{key}_uncontended_s"], 5)
@@ -790,6 +836,8 @@ def overlap_figures(overlap: dict, steps: int) -> dict:
         "http_read_s_per_million_tokens",
         "http_read_cpu_s_per_million_tokens",
         "handover_cpu_s_per_million_tokens",
+        "fetch_process_cpu_s_per_million_tokens",
+        "fetch_process_cpu_s_per_million_tokens_http_here",
     ):
         out[key] = round(overlap[key], 3)
     return out

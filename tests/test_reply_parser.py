@@ -226,29 +226,31 @@ def test_a_killed_worker_is_named_not_waited_for():
 
 
 def test_a_call_stopped_half_way_breaks_the_parser_loudly(monkeypatch):
-    """Ctrl-C (here a BaseException) between sending a body and reading its outputs leaves
-    the worker's stream out of step: later calls get a named error instead of a wrong reply or
-    a wait for a worker that never comes back."""
+    """Ctrl-C (here a BaseException) half-way through sending a call leaves the worker's
+    stream out of step: later calls get a named error instead of a wrong reply or a wait for a
+    worker that never comes back."""
     import megatron_sat.rollout.reply_parser as reply_parser
 
     class Interrupt(BaseException):
         pass
 
-    def interrupted(sock):
+    real = reply_parser.send_frame
+
+    def interrupted(sock, data):
+        real(sock, data)  # the call's frame went, its body not
         raise Interrupt
 
     body = orjson.dumps(_reply(61, num_tokens=2))
     request = ReplyRequest(URL, (7,), ROUTING)
     with ReplyParser(1) as own:
         own.parse(body, request)
-        real = reply_parser._recv_frame
-        monkeypatch.setattr(reply_parser, "_recv_frame", interrupted)
+        monkeypatch.setattr(reply_parser, "send_frame", interrupted)
         with pytest.raises(Interrupt):
             own.parse(body, request)
-        monkeypatch.setattr(reply_parser, "_recv_frame", real)
+        monkeypatch.setattr(reply_parser, "send_frame", real)
         error = _raised(own, body, request)
         assert isinstance(error, ReplyParserError)
-        assert "worker 0" in str(error) and "stopped half-way through a reply (Interrupt)" in str(
+        assert "worker 0" in str(error) and "stopped half-way through a call (Interrupt)" in str(
             error
         )
 
@@ -272,32 +274,37 @@ class CharTokenizer:
         return "".join(chr(33 + i % 90) for i in ids)
 
 
+def seeded_reply(content: bytes) -> bytes:
+    """The reply of a server whose answer is a function of the request alone (its prompt and
+    sampling seed): ids, log-probs and routes (48 x top-8 of 128) drawn from a generator seeded
+    by them."""
+    sent = orjson.loads(content)
+    prompts, params = sent["input_ids"], sent["sampling_params"]
+    batch = isinstance(prompts[0], list)
+    prompts, params = (prompts, params) if batch else ([prompts], [params])
+    replies = []
+    for prompt, param in zip(prompts, params, strict=True):
+        rng = np.random.default_rng([param["sampling_seed"], *prompt])
+        n = int(rng.integers(1, param["max_new_tokens"] + 1))
+        ids = rng.integers(3, 1000, size=n).tolist()
+        logprobs = (-rng.exponential(0.5, size=n)).tolist()
+        routes = rng.integers(0, 128, size=(len(prompt) + n - 1, 48, 8)).astype("<i4")
+        meta = {
+            "finish_reason": {"type": "length"},
+            "weight_version": "0",
+            "output_token_logprobs": [[lp, t, None] for lp, t in zip(logprobs, ids, strict=True)],
+            "routed_experts": base64.b64encode(routes.tobytes()).decode(),
+        }
+        replies.append({"output_ids": ids, "meta_info": meta})
+    return orjson.dumps(replies if batch else replies[0])
+
+
 def _seeded_client() -> SGLangClient:
-    """A server whose reply is a function of the request alone (its prompt and sampling seed):
-    ids, log-probs and routes drawn from a generator seeded by them."""
+    """A client of :func:`seeded_reply`'s server (a mock transport: read here, parsed in the
+    worker)."""
 
     def answer(request: httpx.Request) -> httpx.Response:
-        sent = orjson.loads(request.content)
-        prompts, params = sent["input_ids"], sent["sampling_params"]
-        batch = isinstance(prompts[0], list)
-        prompts, params = (prompts, params) if batch else ([prompts], [params])
-        replies = []
-        for prompt, param in zip(prompts, params, strict=True):
-            rng = np.random.default_rng([param["sampling_seed"], *prompt])
-            n = int(rng.integers(1, param["max_new_tokens"] + 1))
-            ids = rng.integers(3, 1000, size=n).tolist()
-            logprobs = (-rng.exponential(0.5, size=n)).tolist()
-            routes = rng.integers(0, 128, size=(len(prompt) + n - 1, 48, 8)).astype("<i4")
-            meta = {
-                "finish_reason": {"type": "length"},
-                "weight_version": "0",
-                "output_token_logprobs": [
-                    [lp, t, None] for lp, t in zip(logprobs, ids, strict=True)
-                ],
-                "routed_experts": base64.b64encode(routes.tobytes()).decode(),
-            }
-            replies.append({"output_ids": ids, "meta_info": meta})
-        return httpx.Response(200, content=orjson.dumps(replies if batch else replies[0]))
+        return httpx.Response(200, content=seeded_reply(request.content))
 
     client = SGLangClient(URL)
     client._http = httpx.Client(base_url=URL, transport=httpx.MockTransport(answer))

@@ -253,14 +253,16 @@ class RolloutConfig:
             refused while it is read, naming the server and endpoint, and retried
             (``megatron_sat.rollout.protocol``). 0 sizes each ``/generate`` reply's cap from its
             prompts, ``max_new_tokens`` and the routing shape (layers x top-k).
-        reply_parse_workers: asynchronous modes with SGLang servers: processes that parse the
-            servers' ``/generate`` replies (``megatron_sat.rollout.reply_parser``), so that the
-            parse of replies arriving while the trainer steps (about 1.4 s of a core per
-            million tokens at the paper's 48 x top-8 routes) does not share the trainer's GIL:
-            bench/data_path.py's ``overlap_step_time_ratio``. 0 parses each reply in the pool's
-            thread that received it (the step then ran 1.3-2.5x slower beside a full-rate
-            parse). The synchronous pool and the vLLM client parse in their threads (the trainer
-            waits for their batch anyway).
+        reply_parse_workers: asynchronous modes with SGLang servers: processes that make the
+            servers' ``/generate`` calls (``megatron_sat.rollout.reply_parser``: the request,
+            the reply's read, about 2 KB per token at the paper's 48 x top-8 routes, and its
+            parse), each serving any number of calls at once, so that the reply body never
+            enters the trainer's process and its read and parse (about 4 s of a core per
+            million tokens) do not share the trainer's GIL while it steps:
+            bench/data_path.py's ``overlap_step_time_ratio``. 0 makes each call in the pool's
+            thread (the step then ran 1.3-2.5x slower beside a full-rate parse). The
+            synchronous pool and the vLLM client make their calls in their threads (the
+            trainer waits for their batch anyway).
         reward: the reward of every sample, training and evaluation: ``math`` (math-verify on
             the last ``\\boxed{}`` against the label, ``rollout.rewards``), ``python`` (the
             plug-in ``reward_function``, run in the reward worker processes,

@@ -17,7 +17,7 @@ end_weight_update()"}`` before it joins the broadcast.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import httpx
@@ -36,7 +36,7 @@ from megatron_sat.rollout.engine import (
 )
 from megatron_sat.rollout.generate_reply import ReplyRequest, parse_outputs
 from megatron_sat.rollout.protocol import ReplyGuard, ReplyRefused, generate_reply_cap
-from megatron_sat.rollout.reply_parser import ReplyParser, parse_in_thread
+from megatron_sat.rollout.reply_parser import ParsedReply, ReplyParser, parse_in_thread
 from megatron_sat.rollout.sampling import (
     SAMPLING_EPS,
     GenerateOutput,
@@ -103,6 +103,7 @@ class SGLangClient(HTTPClient):
         self.keys = keys or ServerKeys()
         self.guard = ReplyGuard(self.base_url)  # size, JSON, log-probs, versions
         self.guard.install(self._http)
+        self._built_http = self._http  # worker_spec: a replaced connection is not rebuilt
 
     # ---- generation -------------------------------------------------------------------------
 
@@ -125,9 +126,11 @@ class SGLangClient(HTTPClient):
             routing: when given, ask for routed experts and decode them with this shape.
             routed_experts_start_len: first token position whose routing is returned.
             return_logprob: ask for ``output_token_logprobs``.
-            reply_parser: parse the reply body in its worker processes
-                (``rollout.reply_parser``; the pool's, ``rollout.reply_parse_workers``); None
-                parses it in the calling thread. The outputs are the same.
+            reply_parser: fetch and parse the reply in its worker processes
+                (``rollout.reply_parser``; the pool's, ``rollout.reply_parse_workers``): the
+                body never enters this process; a client :meth:`worker_spec` cannot rebuild
+                there reads it here and has it parsed there. None: both in the calling thread.
+                The outputs, errors and refusal counts are the same.
 
         Raises:
             SGLangError: on HTTP errors, a missing field (e.g. routed_experts when the server
@@ -156,19 +159,69 @@ class SGLangClient(HTTPClient):
             routed_experts_start_len,
             return_logprob,
         )
-        # The routes stay in the body's bytes until decoded (routing.wire): no 2 KB/token str.
-        # A body that does not split as JSON is refused and sent again (the guard's retry);
-        # the outputs' own errors are raised after it (rollout.generate_reply's two stages).
-        parse = parse_in_thread if reply_parser is None else reply_parser.parse
-        with self.guard.expecting(generate_reply_cap(list(request.prompt_lens), news, routing)):
-            parsed = self.guard.fetch_json(
+        cap = generate_reply_cap(list(request.prompt_lens), news, routing)
+        spec = None if reply_parser is None else self.worker_spec()
+        if spec is not None:  # the whole call in a worker process: the body never comes here
+            parsed = reply_parser.fetch(spec, body, request, self.guard.max_reply_bytes or cap)
+            self.guard.add_refused(parsed.refused)
+        else:
+            parse = parse_in_thread if reply_parser is None else reply_parser.parse
+            parsed = self.fetch_reply(body, request, cap, parse)
+        return [self.guard.check_output(out) for out in parsed.outputs()]
+
+    def fetch_reply(
+        self,
+        body: dict[str, Any],
+        request: ReplyRequest,
+        cap: int,
+        parse: Callable[[bytes | bytearray, ReplyRequest], ParsedReply] = parse_in_thread,
+    ) -> ParsedReply:
+        """POST ``body`` to /generate and parse the reply with ``parse``, in the calling
+        thread (the half of :meth:`generate` before the guard's content checks; a reply worker
+        process runs it too, ``rollout.reply_worker``).
+
+        The routes stay in the body's bytes until decoded (routing.wire): no 2 KB/token str. A
+        body that does not split as JSON is refused and sent again (the guard's retry); the
+        outputs' own errors are in the result (rollout.generate_reply's two stages).
+
+        Args:
+            body: the request's JSON.
+            request: what the parse needs of the request.
+            cap: the reply's size cap, bytes (the guard's ``max_reply_bytes`` replaces it).
+            parse: the body's parse (:func:`parse_in_thread`, or ``ReplyParser.parse``).
+
+        Raises:
+            SGLangError: as :meth:`generate`, for the HTTP call or a body malformed on every try.
+        """
+        with self.guard.expecting(cap):
+            return self.guard.fetch_json(
                 lambda: self._request("POST", "/generate", body, retry=True),
                 attempts=1 + self.max_retries,
                 backoff_s=self.retry_backoff_s,
                 error=self.error,
                 parse=lambda content: parse(content, request),
             )
-        return [self.guard.check_output(out) for out in parsed.outputs()]
+
+    def worker_spec(self) -> dict[str, Any] | None:
+        """The constructor arguments a reply worker process (``rollout.reply_parser``) builds
+        this client's twin from, with its class (``"module:name"``); None when a worker could
+        not make the same call: a subclass that changes how a call is made (``_request``,
+        ``_headers``, ``_accept``, ``fetch_reply``, the error or retry classes) or a client
+        whose HTTP connection was replaced after construction (a test's mock transport). Such a
+        client's reply is read here and parsed in the worker."""
+        cls = type(self)
+        same = all(getattr(cls, name) is getattr(SGLangClient, name) for name in _CALL_MEMBERS)
+        if not same or self._http is not self._built_http:
+            return None
+        return {
+            "class": f"{SGLangClient.__module__}:{SGLangClient.__qualname__}",
+            "base_url": self.base_url,
+            "timeout_s": self.timeout_s,
+            "max_retries": self.max_retries,
+            "retry_backoff_s": self.retry_backoff_s,
+            "keys": self.keys,
+            "paused_timeout_s": self.paused_timeout_s,
+        }
 
     def outputs(
         self,
@@ -339,6 +392,19 @@ class SGLangClient(HTTPClient):
         """A weight-update reply with HTTP 400 and ``success: false`` is returned, not raised,
         so the caller can surface the server's message."""
         return response.is_success or _is_success_false(response)
+
+
+# What a call of SGLangClient is made of: a subclass that changes one of them makes calls a
+# reply worker's twin (built as SGLangClient) would not (SGLangClient.worker_spec).
+_CALL_MEMBERS = (
+    "_request",
+    "_headers",
+    "_accept",
+    "fetch_reply",
+    "error",
+    "request_error",
+    "retry_on",
+)
 
 
 def _is_success_false(response: httpx.Response) -> bool:

@@ -1,9 +1,10 @@
 """The outputs of one SGLang ``/generate`` reply body: the pure parse, wherever it runs.
 
-``SGLangClient.generate`` reads the reply's body (``rollout.protocol``'s guard: size cap, retry
-of a malformed body) and hands it here, in its own thread or, with ``rollout.reply_parse_workers``
-> 0, in a worker process (``rollout.reply_parser``): the parse is the same function either way,
-so both give the same outputs bit for bit. Two stages, whose errors the client treats apart:
+``SGLangClient.fetch_reply`` reads the reply's body (``rollout.protocol``'s guard: size cap,
+retry of a malformed body) and hands it here, in the calling thread or, with
+``rollout.reply_parse_workers`` > 0, in a worker process (``rollout.reply_parser``, where the
+whole call runs): the parse is the same function either way, so both give the same outputs bit
+for bit. Two stages, whose errors the client treats apart:
 
 1. :func:`split_generate_reply` (``routing.wire``): the body as JSON, the routes left as views of
    its bytes. ``ValueError`` / ``TypeError`` / ``UnicodeDecodeError`` here mean a body that is

@@ -157,11 +157,34 @@ class ReplyGuard:
         finally:
             self._local.cap = None
 
+    @contextmanager
+    def counting(self) -> Iterator[Counter[str]]:
+        """The refusals of this thread's calls inside the block, by kind (counted in
+        ``refused`` as well): a reply worker process (``rollout.reply_parser``) serves many
+        calls at once with one client and hands each call's own counts to the trainer's guard."""
+        tally: Counter[str] = Counter()
+        self._local.tally = tally
+        try:
+            yield tally
+        finally:
+            self._local.tally = None
+
+    def add_refused(self, counts: Counter[str] | dict[str, int]) -> None:
+        """Add refusals counted elsewhere (a reply worker process's, :meth:`counting`)."""
+        with self._lock:
+            self.refused.update(counts)
+
     def refuse(self, message: str, kind: str) -> ReplyRefused:
         """Count a refusal of ``kind``; the error to raise."""
+        self._count(kind)
+        return ReplyRefused(message, kind)
+
+    def _count(self, kind: str) -> None:
         with self._lock:
             self.refused[kind] += 1
-        return ReplyRefused(message, kind)
+        tally = getattr(self._local, "tally", None)
+        if tally is not None:
+            tally[kind] += 1
 
     def _on_response(self, response: httpx.Response) -> None:
         cap = self.max_reply_bytes or getattr(self._local, "cap", None)
@@ -224,8 +247,7 @@ class ReplyGuard:
         raise ValueError(f"attempts must be >= 1, got {attempts}")
 
     def _violation(self, message: str, kind: str) -> ProtocolViolation:
-        with self._lock:
-            self.refused[kind] += 1
+        self._count(kind)
         return ProtocolViolation(message, kind)
 
     def check_output(self, out: GenerateOutput, endpoint: str = "/generate") -> GenerateOutput:

@@ -1,45 +1,51 @@
-"""Worker processes that parse ``/generate`` reply bodies, so the trainer's process keeps only
-the hand-over per reply.
+"""Worker processes that fetch and parse ``/generate`` replies, so the reply body never enters
+the trainer's process.
 
 At the paper's shape a reply is about 2 KB of JSON per token (48 layers x top-8 routes in
-base64) and its parse (``rollout.generate_reply``: the JSON less the routes, the ids and
-log-probs typed, the routes decoded) is about 1.4 s of one core per million tokens. In a thread
-of the trainer's process, as the async pool's workers ran it, that Python holds the GIL beside
-the trainer's own: bench/data_path.py measured the trainer step 2.3-2.5x slower with the pool
-parsing at full rate beside it. Here the parse runs in ``num_workers`` processes; the calling
-thread sends the body down a socket pair and takes the outputs back (pickled, less their
-routes, which it receives raw straight into their arrays): the kernel copies the bytes with the
-GIL released, and what the trainer's process still holds the GIL for per reply is the small
-unpickle (ids, log-probs, meta_info) and the client's checks.
+base64): some 70 GB per step at full scale. Read by httpx in a thread of the trainer's process
+it costs 1.2-1.7 CPU-s per GB, mostly Python (h11, 64 KB chunks) holding the trainer's GIL; its
+parse (``rollout.generate_reply``) another 1.4 s of one core per million tokens. Here both run
+in ``num_workers`` processes (``rollout.reply_worker``): the calling thread sends the small
+request (ids, sampling parameters, routing shape, the reply's size cap and the client's
+constructor arguments, :meth:`ReplyParser.fetch`) and takes the compact outputs back (pickled,
+less their routes, which arrive raw straight into their arrays: the kernel copies them with the
+GIL released). The worker runs ``SGLangClient``'s own fetch (retries, the paused wait, the size
+cap, the malformed-JSON resend) with a client built from the same arguments; the refusals it
+counted come back with each result for the caller's guard, whose content checks
+(``ReplyGuard.check_output``: the versions pushed) stay in the trainer's process.
+:meth:`ReplyParser.parse` parses a body the caller fetched itself (a client whose HTTP cannot be
+rebuilt in a worker: see ``SGLangClient.worker_spec``).
+
+Many calls are in flight at once (the async pool's ``max_in_flight_per_server`` x servers, each
+lasting as long as its generation): a worker serves each call in a thread of its own, and the
+calls share its socket, each frame tagged with its call's id; one reader thread per worker here
+hands each reply to the caller waiting for it. A call goes to the worker with the fewest calls
+in flight.
 
 Each worker is a fresh interpreter (never a ``fork``: the trainer's process runs torch and
-threads) that imports only the parse's modules: ``subprocess`` with the socket's descriptor
+threads) that imports only the client and the parse: ``subprocess`` with the socket's descriptor
 passed, not ``multiprocessing``'s ``spawn``, which would import the trainer's main module (torch,
-and a user's script without a main guard would run again). They start on the first
-:meth:`ReplyParser.parse` and stop with :meth:`ReplyParser.close` (or the ``with`` block),
-or when the trainer's process ends (their socket closes). A worker that dies (killed, out of
-memory) fails every later call with :class:`ReplyParserError` naming it and its exit code: no
-call hangs, and no call falls back to parsing in the caller's thread. The parse is
-``rollout.generate_reply``'s, so both places give the same outputs bit for bit; exceptions come
-back with their class and message (and the worker's traceback as their ``__cause__``), stage
-1's raised by :meth:`ReplyParser.parse` itself (the client's guard refuses the body and sends
-the request again) and stage 2's when the outputs are taken (:class:`ParsedReply`).
+and a user's script without a main guard would run again). They start on the first call and stop
+with :meth:`ReplyParser.close` (or the ``with`` block), or when the trainer's process ends (their
+socket closes). A worker that dies (killed, out of memory) fails its calls in flight and every
+later call with :class:`ReplyParserError` naming it and its exit code: no call hangs, and no
+call falls back to the caller's thread. Exceptions come back with their class, message and
+attributes (``status_code``, ``kind``), the worker's traceback as their ``__cause__``.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import importlib
+import itertools
 import os
 import pickle
-import queue
-import signal
 import socket
 import struct
 import subprocess
 import sys
 import threading
-import traceback
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +55,11 @@ from megatron_sat.rollout.generate_reply import ReplyRequest, parse_outputs
 from megatron_sat.rollout.sampling import GenerateOutput
 from megatron_sat.routing.wire import split_generate_reply
 
-_SPLIT, _PARSE, _OK = "split", "parse", "ok"  # which stage failed, or none
+# What a worker's reply frame says of its call: raised (the parse's stage 1, or the fetch's
+# error), stage 2's error handed back in the result, or the outputs.
+STAGE_RAISE, STAGE_PARSE, STAGE_OK = "raise", "parse", "ok"
+# What a call asks of a worker: parse a body sent with it, or fetch and parse a reply.
+PARSE, FETCH = "parse", "fetch"
 _LENGTH = struct.Struct("<Q")  # the byte length before each frame
 
 
@@ -67,10 +77,12 @@ class RemoteTraceback(Exception):
 @dataclass(frozen=True)
 class ParsedReply:
     """Stage 2's result of one reply (``rollout.generate_reply``): the outputs, or the
-    exception that stage raised, re-raised by :meth:`outputs`."""
+    exception that stage (or, from :meth:`ReplyParser.fetch`, the fetch) raised, re-raised by
+    :meth:`outputs`; ``refused``: the guard refusals counted while fetching it, by kind."""
 
     _outputs: list[GenerateOutput] | None = None
     _error: BaseException | None = None
+    refused: Mapping[str, int] = field(default_factory=dict)
 
     def outputs(self) -> list[GenerateOutput]:
         """The reply's outputs, unchecked by the client's guard.
@@ -95,8 +107,8 @@ def parse_in_thread(body: bytes | bytearray, request: ReplyRequest) -> ParsedRep
 
 
 class ReplyParser:
-    """``num_workers`` processes parsing ``/generate`` bodies (module docstring); thread-safe,
-    one reply per worker at a time (a caller waits for a free worker).
+    """``num_workers`` processes fetching and parsing ``/generate`` replies (module
+    docstring); thread-safe, any number of calls in flight.
 
     Args:
         num_workers: worker processes (>= 1; ``rollout.reply_parse_workers``).
@@ -110,8 +122,8 @@ class ReplyParser:
             raise ValueError(f"reply parser needs num_workers >= 1, got {num_workers!r}")
         self.num_workers = num_workers
         self._lock = threading.Lock()
-        self._idle: queue.SimpleQueue[_Worker | None] = queue.SimpleQueue()
         self._workers: list[_Worker] = []
+        self._ids = itertools.count()
         self._closed = False
         self._broken: str | None = None  # why every call now fails
 
@@ -121,9 +133,32 @@ class ReplyParser:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def start(self, client_specs: Sequence[dict[str, Any] | None] = ()) -> None:
+        """Start the workers now and wait until each is ready to serve (about 0.3 s: its
+        imports; then the clients of ``client_specs`` built: a worker's first call to a server
+        otherwise waits for its client, 40 ms measured), so that the first calls go out at
+        once (the async pool starts its parser with itself: a push right after the pool's
+        first requests must find them at the server).
+        Idempotent (a second call builds nothing); the first call starts them otherwise.
+
+        Args:
+            client_specs: ``SGLangClient.worker_spec()`` of the clients to serve (None ones
+                skipped).
+
+        Raises:
+            ReplyParserError: when a worker died starting, or after ``close()``.
+        """
+        with self._lock:
+            if self._closed:
+                raise ReplyParserError("reply parser used after close()")
+            if not self._workers and self._broken is None:
+                self._start([spec for spec in client_specs if spec is not None])
+            if self._broken is not None:
+                raise ReplyParserError(self._broken)
+
     @property
     def pids(self) -> list[int]:
-        """The workers' process ids (empty before the first parse)."""
+        """The workers' process ids (empty before the first call)."""
         return [w.process.pid for w in self._workers]
 
     def parse(self, body: bytes | bytearray, request: ReplyRequest) -> ParsedReply:
@@ -141,59 +176,98 @@ class ReplyParser:
                 message the in-thread parse gives.
             ReplyParserError: when a worker died (now or before), or after ``close()``.
         """
-        worker = self._take()
-        try:
-            _send_frame(worker.sock, pickle.dumps((request, len(body)), pickle.HIGHEST_PROTOCOL))
-            worker.sock.sendall(body)
-            stage, payload, remote_tb = pickle.loads(_recv_frame(worker.sock))
-            if stage == _OK:
-                payload = _receive_routes(worker.sock, payload)
-        except (EOFError, OSError) as e:
-            raise self._lost(worker, f"died while parsing a reply of {len(body)} bytes") from e
-        except BaseException as e:  # e.g. Ctrl-C half-way: the worker's stream is out of step
-            self._lost(worker, f"was stopped half-way through a reply ({type(e).__name__})")
-            raise
-        self._idle.put(worker)
-        if stage == _OK:
-            return ParsedReply(payload)
-        error = pickle.loads(payload)
-        error.__cause__ = RemoteTraceback(remote_tb)
-        if stage == _SPLIT:
-            raise error
-        return ParsedReply(_error=error)
+        stage, payload = self._call(PARSE, request, body)
+        if stage == STAGE_RAISE:
+            raise payload
+        return ParsedReply(payload) if stage == STAGE_OK else ParsedReply(_error=payload)
+
+    def fetch(
+        self, client_spec: dict[str, Any], body: dict[str, Any], request: ReplyRequest, cap: int
+    ) -> ParsedReply:
+        """POST ``body`` to ``/generate`` and parse the reply, in a worker process, as
+        ``SGLangClient.fetch_reply`` does in the calling thread.
+
+        Args:
+            client_spec: the client's class and constructor arguments
+                (``SGLangClient.worker_spec``); the worker builds one client per spec.
+            body: the ``/generate`` request's JSON.
+            request: what the parse needs of the request.
+            cap: the reply's size cap, bytes (the guard's fixed cap, or the request's).
+
+        Returns:
+            The outputs, or the error the fetch or the parse raised (SGLangError,
+            SGLangRequestError, ...: class, message and attributes kept), with the refusals
+            the worker's guard counted for this call (``ParsedReply.refused``).
+
+        Raises:
+            ReplyParserError: when a worker died (now or before), or after ``close()``.
+        """
+        stage, payload, refused = self._call(FETCH, (client_spec, body, request, cap))
+        if stage == STAGE_OK:
+            return ParsedReply(payload, refused=refused)
+        return ParsedReply(_error=payload, refused=refused)
 
     def close(self) -> None:
-        """Stop the workers (each exits when its pipe closes; killed after 5 s). Idempotent."""
+        """Stop the workers (each exits when its socket closes; killed after 5 s); calls in
+        flight fail with ReplyParserError. Idempotent."""
         with self._lock:
             self._closed = True
             workers, self._workers = self._workers, []
-        self._idle.put(None)  # wakes a caller waiting for a worker
         for worker in workers:
+            _shut(worker.sock)  # wakes its reader, which fails the calls in flight
+        for worker in workers:
+            worker.reader.join(timeout=10)
             worker.sock.close()
-        for worker in workers:
             _end(worker.process, timeout_s=5)
 
-    def _take(self) -> _Worker:
-        """A free worker (starting them on first use); raise once the parser is broken."""
+    def _call(self, kind: str, args: Any, body: bytes | bytearray | None = None) -> Any:
+        """Send one call to the least-loaded worker and wait for its reply: ``(stage,
+        payload)`` for a parse, ``(stage, payload, refused)`` for a fetch."""
+        call = _Call(next(self._ids))
+        worker = self._take(call)
+        size = 0 if body is None else len(body)
+        try:
+            with worker.send_lock:
+                send_frame(
+                    worker.sock, pickle.dumps((call.id, kind, args, size), pickle.HIGHEST_PROTOCOL)
+                )
+                if body is not None:
+                    worker.sock.sendall(body)
+        except OSError as e:
+            raise self._lost(worker, f"died while a call was sent to it ({e!r})") from e
+        except BaseException as e:  # e.g. Ctrl-C half-way: the worker's stream is out of step
+            self._lost(worker, f"was stopped half-way through a call ({type(e).__name__})")
+            raise
+        call.done.wait()  # an interrupted wait leaves the stream whole: its reply is dropped
+        if isinstance(call.result, ReplyParserError):
+            raise call.result
+        stage, payload, refused = call.result
+        return (stage, payload) if kind == PARSE else (stage, payload, refused)
+
+    def _take(self, call: _Call) -> _Worker:
+        """The worker with the fewest calls in flight (starting them on first use), ``call``
+        registered with it; raise once the parser is closed or broken."""
         with self._lock:
             if self._closed:
                 raise ReplyParserError("reply parser used after close()")
-            if self._broken is None and not self._workers:
-                self._start()
-        while True:
             if self._broken is not None:
                 raise ReplyParserError(self._broken)
-            worker = self._idle.get()
-            if worker is not None:
-                return worker
-            self._idle.put(None)  # pass the wake-up on to the next waiter
-            if self._closed:
-                raise ReplyParserError("reply parser closed while waiting for a worker")
+            if not self._workers:
+                self._start()
+            if self._broken is not None:
+                raise ReplyParserError(self._broken)
+            worker = min(self._workers, key=lambda w: len(w.calls))
+            worker.calls[call.id] = call
+            return worker
 
-    def _start(self) -> None:
+    def _start(self, client_specs: Sequence[dict[str, Any]] = ()) -> None:
+        """Spawn the workers, hand each ``client_specs`` (the clients it builds before its
+        first call) and wait until each is ready; a worker that dies starting breaks the
+        parser."""
         # The package's root first on the worker's path, as it is importable here.
         root = str(Path(__file__).resolve().parents[2])
         path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+        spawned = []
         for index in range(self.num_workers):
             ours, theirs = socket.socketpair()
             process = subprocess.Popen(
@@ -203,26 +277,70 @@ class ReplyParser:
                 env={**os.environ, "PYTHONPATH": path},
             )
             theirs.close()  # the worker's death then reads as EOF here
-            worker = _Worker(index, process, ours)
+            spawned.append(_Worker(index, process, ours))
+        for worker in spawned:
+            try:
+                send_frame(worker.sock, pickle.dumps(list(client_specs), pickle.HIGHEST_PROTOCOL))
+                recv_frame(worker.sock)  # the worker's ready frame: imports and clients done
+            except (EOFError, OSError) as e:
+                code = _end(worker.process, timeout_s=5)
+                self._broken = self._broken or (
+                    f"reply parser worker {worker.index} (pid {worker.process.pid}) died "
+                    f"starting ({e!r}, exit code {code}; its stderr says why): no reply is parsed"
+                )
+            worker.reader = threading.Thread(
+                target=self._read, args=(worker,), name=f"reply-parser{worker.index}", daemon=True
+            )
             self._workers.append(worker)
-            self._idle.put(worker)
+            worker.reader.start()
+
+    def _read(self, worker: _Worker) -> None:
+        """``worker``'s reader thread: hand each reply to its call (its routes received
+        straight into their arrays) until the socket ends; then fail the calls in flight."""
+        try:
+            while True:
+                call_id, stage, payload, remote_tb, refused = pickle.loads(recv_frame(worker.sock))
+                if stage == STAGE_OK:
+                    payload = _receive_routes(worker.sock, payload)
+                else:
+                    payload = _rebuild(payload)
+                    payload.__cause__ = RemoteTraceback(remote_tb)
+                with self._lock:
+                    call = worker.calls.pop(call_id)
+                call.result = (stage, payload, refused)
+                call.done.set()
+        except BaseException as e:  # EOF, a reset, or a stream out of step: the worker is lost
+            inflight = len(worker.calls)
+            error = self._lost(worker, f"died with {inflight} call(s) in flight ({e!r})")
+            with self._lock:
+                calls, worker.calls = list(worker.calls.values()), {}
+            for call in calls:
+                call.result = error
+                call.done.set()
 
     def _lost(self, worker: _Worker, what: str) -> ReplyParserError:
         """Mark the parser broken by ``worker`` (dead, or stopped half-way and killed here);
         the error every caller gets from now on."""
         if self._closed:
-            return ReplyParserError(f"reply parser closed while worker {worker.index} {what}")
+            return ReplyParserError(f"reply parser closed while worker {worker.index} was busy")
+        _shut(worker.sock)  # a worker stopped half-way: its reader ends too
         code = _end(worker.process, timeout_s=1)
         with self._lock:
             if self._broken is None:
                 self._broken = (
                     f"reply parser worker {worker.index} (pid {worker.process.pid}) {what} "
                     f"(exit code {code}; a negative code is the signal that ended it): the "
-                    "/generate replies of this pool are parsed in these processes "
+                    "/generate replies of this pool are fetched and parsed in these processes "
                     "(rollout.reply_parse_workers); no reply is parsed any more"
                 )
-        self._idle.put(None)
         return ReplyParserError(self._broken)
+
+
+@dataclass
+class _Call:
+    id: int
+    done: threading.Event = field(default_factory=threading.Event)
+    result: Any = None  # (stage, payload, refused), or the ReplyParserError that ended it
 
 
 @dataclass
@@ -230,11 +348,14 @@ class _Worker:
     index: int
     process: subprocess.Popen
     sock: socket.socket
+    calls: dict[int, _Call] = field(default_factory=dict)  # in flight, by id
+    send_lock: threading.Lock = field(default_factory=threading.Lock)
+    reader: threading.Thread | None = None
 
 
 # A worker's main: serve on the socket whose descriptor is argv[1].
 _WORKER_MAIN = (
-    "import sys; from megatron_sat.rollout.reply_parser import serve_fd; serve_fd(int(sys.argv[1]))"
+    "import sys; from megatron_sat.rollout.reply_worker import serve_fd; serve_fd(int(sys.argv[1]))"
 )
 
 
@@ -247,9 +368,12 @@ def _end(process: subprocess.Popen, timeout_s: float) -> int:
         return process.wait()
 
 
-def serve_fd(fd: int) -> None:
-    """A worker process's entry point: :func:`_serve` on the inherited socket ``fd``."""
-    _serve(socket.socket(fileno=fd))
+def _shut(sock: socket.socket) -> None:
+    """End both directions of ``sock`` (wakes a thread blocked reading it); never raises."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass  # already closed or reset
 
 
 # The wire between the caller and a worker: length-prefixed frames on a socket pair, and the
@@ -258,11 +382,12 @@ def serve_fd(fd: int) -> None:
 # 0.2-0.3 s per million tokens at 48 x top-8, measured).
 
 
-def _send_frame(sock: socket.socket, data: bytes) -> None:
+def send_frame(sock: socket.socket, data: bytes) -> None:
+    """One length-prefixed frame."""
     sock.sendall(_LENGTH.pack(len(data)) + data)
 
 
-def _recv_into(sock: socket.socket, view: memoryview) -> None:
+def recv_into(sock: socket.socket, view: memoryview) -> None:
     """Fill ``view`` from ``sock``. Raises EOFError when the other end closed first."""
     view = view.cast("B")
     while view.nbytes:
@@ -272,11 +397,12 @@ def _recv_into(sock: socket.socket, view: memoryview) -> None:
         view = view[got:]
 
 
-def _recv_frame(sock: socket.socket) -> bytearray:
+def recv_frame(sock: socket.socket) -> bytearray:
+    """One length-prefixed frame. Raises EOFError when the other end closed first."""
     head = bytearray(_LENGTH.size)
-    _recv_into(sock, memoryview(head))
+    recv_into(sock, memoryview(head))
     data = bytearray(_LENGTH.unpack(head)[0])
-    _recv_into(sock, memoryview(data))
+    recv_into(sock, memoryview(data))
     return data
 
 
@@ -290,68 +416,46 @@ def _receive_routes(
         if routes is not None:
             dtype, shape = routes
             array = np.empty(shape, dtype=dtype)
-            _recv_into(sock, memoryview(array))
+            recv_into(sock, memoryview(array))
             output.routed_experts = array
         outputs.append(output)
     return outputs
 
 
-def _serve(sock: socket.socket) -> None:
-    """A worker's loop: (request, body) in, ``(stage, result, traceback)`` out (then the
-    routes raw), until the parent closes its end. Ctrl-C is the parent's to handle: the worker
-    exits with the socket."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    while True:
+def portable(error: BaseException) -> tuple[str, str, tuple[Any, ...], dict[str, Any]]:
+    """``error`` as what crosses the socket: its class's module and name, its ``args`` and
+    its attributes (``status_code``, ``kind``; those that do not pickle are left out).
+    :func:`_rebuild` makes it again without calling its constructor (``SGLangRequestError``'s
+    takes two arguments, ``RequestTimeoutError``'s one), and checks the class and message."""
+    cls = type(error)
+    attrs = {}
+    for key, value in vars(error).items():
         try:
-            request, size = pickle.loads(_recv_frame(sock))
-            body = bytearray(size)
-            _recv_into(sock, memoryview(body))
-        except (EOFError, OSError):
-            return
-        stage, result, remote_tb = _parse_one(body, request)
-        del body  # the outputs hold no view of it
-        if stage != _OK:
-            _send_frame(sock, pickle.dumps((stage, result, remote_tb), pickle.HIGHEST_PROTOCOL))
+            pickle.dumps(value, pickle.HIGHEST_PROTOCOL)
+        except Exception:  # e.g. httpx's request object: not needed to classify the error
             continue
-        light = [
-            (
-                dataclasses.replace(out, routed_experts=None),
-                None
-                if out.routed_experts is None
-                else (out.routed_experts.dtype.str, out.routed_experts.shape),
-            )
-            for out in result
-        ]
-        _send_frame(sock, pickle.dumps((stage, light, ""), pickle.HIGHEST_PROTOCOL))
-        for out in result:
-            if out.routed_experts is not None:
-                sock.sendall(memoryview(np.ascontiguousarray(out.routed_experts)).cast("B"))
-
-
-def _parse_one(body: bytes | bytearray, request: ReplyRequest) -> tuple[str, Any, str]:
+        attrs[key] = value
     try:
-        items, payloads = split_generate_reply(body)
-    except Exception as e:
-        return _SPLIT, _portable(e), traceback.format_exc()
-    try:
-        return _OK, parse_outputs(items, payloads, request), ""
-    except Exception as e:
-        return _PARSE, _portable(e), traceback.format_exc()
+        args = pickle.loads(pickle.dumps(error.args, pickle.HIGHEST_PROTOCOL))
+    except Exception:  # args that do not pickle: the message stands for them
+        args = (str(error),)
+    return cls.__module__, cls.__qualname__, args, attrs
 
 
-def _portable(error: BaseException) -> bytes:
-    """``error`` pickled, checked to come back with its class and message; else a
-    ``ReplyParserError`` saying which exception could not cross (never a silent change)."""
+def _rebuild(crossed: tuple[str, str, tuple[Any, ...], dict[str, Any]]) -> BaseException:
+    """The exception :func:`portable` sent; a ``ReplyParserError`` naming it when it cannot
+    be made again (never a silent change of class)."""
+    module, qualname, args, attrs = crossed
     try:
-        data = pickle.dumps(error, pickle.HIGHEST_PROTOCOL)
-        back = pickle.loads(data)
-        if type(back) is type(error) and str(back) == str(error):
-            return data
-    except Exception:  # any failure to cross is reported below
-        pass
-    return pickle.dumps(
-        ReplyParserError(
-            f"{type(error).__module__}.{type(error).__qualname__} raised in a reply parser "
-            f"worker does not pickle: {error}"
+        cls: Any = importlib.import_module(module)
+        for part in qualname.split("."):
+            cls = getattr(cls, part)
+        error = cls.__new__(cls)
+        error.args = args
+        error.__dict__.update(attrs)
+        return error
+    except Exception as e:  # any failure to rebuild is reported, with the message
+        return ReplyParserError(
+            f"{module}.{qualname} raised in a reply parser worker could not be rebuilt "
+            f"({e!r}): {args!r:.500}"
         )
-    )

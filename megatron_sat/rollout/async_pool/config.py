@@ -35,11 +35,11 @@ class AsyncPoolConfig:
         clock_tokens: bounded mode only: 0 runs it on the wall clock; K > 0 on the logical
             clock of rounds of K tokens per request (see the module docstring), which repeats
             bit for bit. Rounds send one batched request per server (``per_server``).
-        reply_parse_workers: processes that parse the servers' ``/generate`` replies
-            (``rollout.reply_parser``), so that the parse (about 1.4 s of a core per million
-            tokens at the paper's routing shape) does not hold the trainer's GIL while it
-            steps; 0 parses each reply in the worker thread that received it. For SGLang
-            clients (the vLLM client parses its own replies).
+        reply_parse_workers: processes that make the servers' ``/generate`` calls
+            (``rollout.reply_parser``: the request, the reply's read and its parse), so that
+            the reply body never enters the trainer's process and its read and parse do not
+            hold the trainer's GIL while it steps; 0 makes each call in the pool's worker
+            thread. For SGLang clients (the vLLM client parses its own replies).
     """
 
     mode: str = "fixed_lag"

@@ -44,8 +44,8 @@ class AsyncRolloutPool(Admission, Clock, PoolState):
             position), so a sample does not depend on which server or attempt served it.
 
     The pool owns the reply parser of ``config.reply_parse_workers`` (its processes start with
-    the first reply and stop with :meth:`stop`) and hands it to its ``SGLangClient``s; other
-    clients (vLLM's) parse their replies themselves.
+    :meth:`start` and stop with :meth:`stop`; they make the ``/generate`` calls) and hands it to
+    its ``SGLangClient``s; other clients (vLLM's) make and parse their calls themselves.
 
     Raises:
         ValueError: without clients, for a meter of another server count, or for
@@ -119,7 +119,13 @@ class AsyncRolloutPool(Admission, Clock, PoolState):
 
         Raises:
             RuntimeError: when called twice.
+            ReplyParserError: when a reply worker process died starting.
         """
+        if self._reply_parser is not None:
+            # Ready, its clients built, before the first request: it is sent from there.
+            self._reply_parser.start(
+                [c.worker_spec() for c in self.clients if isinstance(c, SGLangClient)]
+            )
         with self._cond:
             if self._started:
                 raise RuntimeError("AsyncRolloutPool.start() called twice")
