@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import os
+import pickle
 import signal
 import struct
 import threading
@@ -94,6 +95,22 @@ def test_process_parse_is_bit_identical_on_real_replies(parser):
     # the typed, bulky per-token triples do not come back in meta_info (either path)
     assert "output_token_logprobs" not in outs[0].meta_info
     assert outs[0].meta_info["e2e_latency"] == 0.5
+
+
+def test_routes_of_no_rows_come_back_empty_and_the_parser_stays_whole(parser):
+    """A one-token prompt with no output has routes of 0 rows (SGLang sends ""): the worker
+    returns the in-thread path's empty (0, 48, 8) array (found by review: memoryview refused
+    to cast the zero shape, the worker died and the parser broke)."""
+    from megatron_sat.routing.payload import encode_routed_experts
+
+    reply = _reply(40, routes=False, num_tokens=0)
+    reply["meta_info"]["routed_experts"] = encode_routed_experts(np.zeros((0, 48, 8), np.int32))
+    body, request = orjson.dumps([reply]), ReplyRequest(URL, (1,), ROUTING)
+    want = _outcome(parse_in_thread, body, request)
+    assert want[0] == "returned" and want[1][0]["routes"][1] == (0, 48, 8)
+    assert _outcome(parser.parse, body, request) == want
+    again = orjson.dumps([_reply(41, num_tokens=2)])
+    assert _outcome(parser.parse, again, ReplyRequest(URL, (7,), ROUTING))[0] == "returned"
 
 
 @pytest.mark.parametrize(("case", "payload", "shape"), MALFORMED, ids=[m[0] for m in MALFORMED])
@@ -349,3 +366,94 @@ def test_the_pool_makes_the_same_samples_with_parse_workers():
         assert a.response_versions == b.response_versions and a.reward == b.reward
         assert a.routed_experts.dtype == b.routed_experts.dtype == np.uint8
         assert a.routed_experts.tobytes() == b.routed_experts.tobytes()
+
+
+@pytest.mark.parametrize("body", ["[]", memoryview(b"[]")], ids=["str", "memoryview"])
+def test_a_body_of_another_type_is_refused_as_in_thread_and_the_parser_stays_whole(parser, body):
+    """The in-thread parse's TypeError, nothing sent (found by review: a str killed the worker,
+    a memoryview was parsed)."""
+    request = ReplyRequest(URL, (7,), ROUTING)
+    with pytest.raises(TypeError, match=f"must be bytes or bytearray, got {type(body).__name__}"):
+        parse_in_thread(body, request)
+    with pytest.raises(TypeError, match=f"must be bytes or bytearray, got {type(body).__name__}"):
+        parser.parse(body, request)
+    good = orjson.dumps([_reply(42, num_tokens=2)])
+    assert _outcome(parser.parse, good, request)[0] == "returned"
+
+
+def test_a_request_that_does_not_pickle_fails_alone(parser):
+    """Pickled before anything is sent: the call fails, the parser stays whole."""
+    request = ReplyRequest(URL, (7,), ROUTING)
+    bad = ReplyRequest(lambda: None, (7,), ROUTING)
+    good = orjson.dumps([_reply(43, num_tokens=2)])
+    with pytest.raises((pickle.PicklingError, AttributeError, TypeError)):
+        parser.parse(good, bad)
+    assert _outcome(parser.parse, good, request)[0] == "returned"
+
+
+def test_a_worker_that_cannot_start_breaks_the_parser_by_name(monkeypatch):
+    """Out of file descriptors at the third worker: a named ReplyParserError on every call,
+    the two started workers ended, no parser of fewer workers (found by review: a bare
+    OSError, which the pool takes for a dead server, then 2 of 3 workers silently)."""
+    import subprocess
+
+    import megatron_sat.rollout.reply_parser as reply_parser
+
+    real, started = subprocess.Popen, []
+
+    def popen(*args, **kwargs):
+        if len(started) == 2:
+            raise OSError(24, "Too many open files")
+        started.append(real(*args, **kwargs))
+        return started[-1]
+
+    monkeypatch.setattr(reply_parser.subprocess, "Popen", popen)
+    body, request = orjson.dumps([_reply(44, num_tokens=2)]), ReplyRequest(URL, (7,), ROUTING)
+    with ReplyParser(3) as own:
+        for _ in range(2):
+            with pytest.raises(ReplyParserError, match="could not start worker 2 of 3"):
+                own.parse(body, request)
+    assert [p.poll() is not None for p in started] == [True, True]
+    with pytest.raises(ValueError, match="num_workers >= 1"):
+        ReplyParser(1.5)
+
+
+ORPHAN = """
+import os, sys, time
+from megatron_sat.rollout.reply_parser import ReplyParser
+parser = ReplyParser(1)
+parser.start()
+if os.fork() == 0:  # a child of the trainer holding the socket's other end
+    time.sleep(60)
+    os._exit(0)
+os.write(1, f"{parser.pids[0]}\\n".encode())
+time.sleep(60)
+"""
+
+
+def test_a_worker_ends_with_a_sigkilled_trainer_whose_child_holds_its_socket():
+    """Found by review: the worker outlived a SIGKILLed trainer while a forked child of the
+    trainer held the socket open (it waited for EOF); now it ends with its parent."""
+    import subprocess
+    import sys
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-c", ORPHAN], stdout=subprocess.PIPE, text=True)
+    try:
+        worker = int(proc.stdout.readline())
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        deadline = time.time() + 10
+        while time.time() < deadline and os.path.exists(f"/proc/{worker}"):
+            with open(f"/proc/{worker}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    break
+            time.sleep(0.1)
+        alive = os.path.exists(f"/proc/{worker}")
+        if alive:
+            with open(f"/proc/{worker}/stat") as f:
+                alive = f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        assert not alive
+    finally:
+        proc.kill()
+        subprocess.run(["pkill", "-f", "time.sleep\\(60\\)"], check=False)

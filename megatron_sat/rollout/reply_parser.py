@@ -51,6 +51,7 @@ from typing import Any
 
 import numpy as np
 
+from megatron_sat.platform.lifetime import parent_env
 from megatron_sat.rollout.generate_reply import ReplyRequest, parse_outputs
 from megatron_sat.rollout.sampling import GenerateOutput
 from megatron_sat.routing.wire import split_generate_reply
@@ -118,7 +119,7 @@ class ReplyParser:
     """
 
     def __init__(self, num_workers: int) -> None:
-        if isinstance(num_workers, bool) or num_workers < 1:
+        if not isinstance(num_workers, int) or isinstance(num_workers, bool) or num_workers < 1:
             raise ValueError(f"reply parser needs num_workers >= 1, got {num_workers!r}")
         self.num_workers = num_workers
         self._lock = threading.Lock()
@@ -126,6 +127,7 @@ class ReplyParser:
         self._ids = itertools.count()
         self._closed = False
         self._broken: str | None = None  # why every call now fails
+        self._first_loss: str | None = None  # the first cause a worker was lost, for _broken
 
     def __enter__(self) -> ReplyParser:
         return self
@@ -223,14 +225,18 @@ class ReplyParser:
     def _call(self, kind: str, args: Any, body: bytes | bytearray | None = None) -> Any:
         """Send one call to the least-loaded worker and wait for its reply: ``(stage,
         payload)`` for a parse, ``(stage, payload, refused)`` for a fetch."""
+        if body is not None and not isinstance(body, (bytes, bytearray)):
+            # the in-thread parse's refusal (routing.wire), before anything is sent
+            raise TypeError(f"reply body must be bytes or bytearray, got {type(body).__name__}")
         call = _Call(next(self._ids))
-        worker = self._take(call)
         size = 0 if body is None else len(body)
+        # Pickled before the call is taken: an argument that does not pickle fails this call
+        # alone, with nothing sent (the worker's stream stays in step).
+        frame = pickle.dumps((call.id, kind, args, size), pickle.HIGHEST_PROTOCOL)
+        worker = self._take(call)
         try:
             with worker.send_lock:
-                send_frame(
-                    worker.sock, pickle.dumps((call.id, kind, args, size), pickle.HIGHEST_PROTOCOL)
-                )
+                send_frame(worker.sock, frame)
                 if body is not None:
                     worker.sock.sendall(body)
         except OSError as e:
@@ -267,17 +273,28 @@ class ReplyParser:
         # The package's root first on the worker's path, as it is importable here.
         root = str(Path(__file__).resolve().parents[2])
         path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
-        spawned = []
-        for index in range(self.num_workers):
-            ours, theirs = socket.socketpair()
-            process = subprocess.Popen(
-                [sys.executable, "-c", _WORKER_MAIN, str(theirs.fileno())],
-                pass_fds=(theirs.fileno(),),
-                stdin=subprocess.DEVNULL,
-                env={**os.environ, "PYTHONPATH": path},
+        spawned: list[_Worker] = []
+        try:
+            for index in range(self.num_workers):
+                ours, theirs = socket.socketpair()
+                process = subprocess.Popen(
+                    [sys.executable, "-c", _WORKER_MAIN, str(theirs.fileno())],
+                    pass_fds=(theirs.fileno(),),
+                    stdin=subprocess.DEVNULL,
+                    # the worker ends with the trainer, also a SIGKILLed one (platform.lifetime)
+                    env={**os.environ, "PYTHONPATH": path, **parent_env()},
+                )
+                theirs.close()  # the worker's death then reads as EOF here
+                spawned.append(_Worker(index, process, ours))
+        except OSError as e:  # e.g. out of file descriptors: no parser of fewer workers
+            for worker in spawned:
+                worker.sock.close()
+                _end(worker.process, timeout_s=5)
+            self._broken = (
+                f"reply parser could not start worker {len(spawned)} of {self.num_workers} "
+                f"({e!r}; rollout.reply_parse_workers): no reply is parsed"
             )
-            theirs.close()  # the worker's death then reads as EOF here
-            spawned.append(_Worker(index, process, ours))
+            return
         for worker in spawned:
             try:
                 send_frame(worker.sock, pickle.dumps(list(client_specs), pickle.HIGHEST_PROTOCOL))
@@ -323,6 +340,10 @@ class ReplyParser:
         the error every caller gets from now on."""
         if self._closed:
             return ReplyParserError(f"reply parser closed while worker {worker.index} was busy")
+        with self._lock:  # the first cause is named, not the EOF its own kill gives the reader
+            if self._first_loss is None:
+                self._first_loss = what
+            what = self._first_loss
         _shut(worker.sock)  # a worker stopped half-way: its reader ends too
         code = _end(worker.process, timeout_s=1)
         with self._lock:
@@ -389,6 +410,8 @@ def send_frame(sock: socket.socket, data: bytes) -> None:
 
 def recv_into(sock: socket.socket, view: memoryview) -> None:
     """Fill ``view`` from ``sock``. Raises EOFError when the other end closed first."""
+    if view.nbytes == 0:  # e.g. routes of no rows; memoryview refuses to cast a zero shape
+        return
     view = view.cast("B")
     while view.nbytes:
         got = sock.recv_into(view)

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from megatron_sat.platform.lifetime import end_with_parent
 from megatron_sat.rollout.client import SGLangClient
 from megatron_sat.rollout.generate_reply import ReplyRequest, parse_outputs
 from megatron_sat.rollout.reply_parser import (
@@ -41,7 +42,10 @@ from megatron_sat.routing.wire import split_generate_reply
 
 
 def serve_fd(fd: int) -> None:
-    """A worker process's entry point: :func:`serve` on the inherited socket ``fd``."""
+    """A worker process's entry point: :func:`serve` on the inherited socket ``fd``, ending
+    with the trainer (``platform.lifetime.end_with_parent``: a forked child of the trainer
+    holding the socket's other end would otherwise keep it open after a SIGKILL)."""
+    end_with_parent()
     serve(socket.socket(fileno=fd))
 
 
@@ -139,7 +143,7 @@ class _Server:
         with self.send_lock:
             send_frame(self.sock, frame)
             for out in result:
-                if out.routed_experts is not None:
+                if out.routed_experts is not None and out.routed_experts.size:
                     self.sock.sendall(
                         memoryview(np.ascontiguousarray(out.routed_experts)).cast("B")
                     )
