@@ -152,6 +152,8 @@ def test_every_malformed_body_is_refused_alike(parser, body, message):
         {"output_token_logprobs": [[-0.1, True]]},
         {"finish_reason": None},
         {"weight_versions": [{"version": "1", "start": 0, "end": 9}]},
+        {"prompt_tokens": "abc"},  # these two escaped as ValueError / TypeError (review)
+        {"completion_tokens": [1]},
     ],
 )
 def test_malformed_outputs_are_refused_alike(parser, change):

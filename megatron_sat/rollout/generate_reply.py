@@ -147,14 +147,22 @@ def _parse_output(
         finish_reason=str(finish["type"]),
         weight_version=weight_version,
         routed_experts=routed,
-        prompt_tokens=int(meta.get("prompt_tokens", prompt_len)),
-        completion_tokens=int(meta.get("completion_tokens", len(output_ids))),
+        prompt_tokens=_count(meta, "prompt_tokens", prompt_len, where),
+        completion_tokens=_count(meta, "completion_tokens", len(output_ids), where),
         meta_info=meta,
         output_token_versions=_token_versions(meta, len(output_ids), where),
     )
     for key in TYPED_META_KEYS:
         meta.pop(key, None)
     return output
+
+
+def _count(meta: dict[str, Any], key: str, default: int, where: str) -> int:
+    """``meta[key]`` (``default`` when absent), a JSON integer; else SGLangError naming it."""
+    value = meta.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise SGLangError(f"{where}: meta_info.{key} is {value!r:.50}, not an integer")
+    return value
 
 
 def _token_ids(values: Any, where: str) -> list[int]:
