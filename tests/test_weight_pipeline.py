@@ -316,3 +316,22 @@ def test_broken_broadcast_mid_pipeline_still_sends_the_bucket_posted_ahead():
     assert [k for kind, k in log.events if kind == "post"] == [0, 1, 2, 3]
     assert ("sent", 6) in log.events and ("sent", 7) in log.events  # bucket 3 went out
     assert ("reply", 3) in log.events and channel.calls == ["pause", "begin", "end"]
+
+
+def test_a_later_stage_failing_is_reported_as_mixed_weights_under_the_old_version():
+    """Per-stage push: stage 0 loads its buckets, a later stage fails (loaded_elsewhere). With
+    no failure of its own, stage 0 must not report "every server ... holds the new
+    weight_version" (found by review: all() of no failures was True)."""
+    log = Log()
+    channel = Channel(log, reply_s=0.0)
+    updater = WeightUpdater([channel], bucket_bytes=1024)
+    updater._group = Group(log)
+    try:
+        updater.begin_update()
+        updater.send_buckets([(f"t{i}", torch.zeros(200)) for i in range(3)], None)
+        with pytest.raises(WeightSyncError) as raised:
+            updater.end_update(WeightSyncError("stage 1 failed"), loaded_elsewhere=True)
+    finally:
+        updater._pool.shutdown()
+    assert "holds the new weight_version" not in str(raised.value)
+    assert "old weight_version" in str(raised.value)

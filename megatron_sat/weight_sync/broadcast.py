@@ -395,7 +395,9 @@ class WeightUpdater(BaseWeightUpdater):
             self._loaded |= num_loaded > 0
             # Every failure a refused flush after a complete load: weights and version in.
             self._server_failures += failures
-            self._flush_refused = all(SGLANG_FLUSH_REFUSED in f for f in self._server_failures)
+            self._flush_refused = bool(self._server_failures) and all(
+                SGLANG_FLUSH_REFUSED in f for f in self._server_failures
+            )
             if failures:
                 names = ", ".join(posted.names[:3])
                 more = ", ..." if len(posted.names) > 3 else ""
