@@ -459,3 +459,18 @@ def test_a_worker_ends_with_a_sigkilled_trainer_whose_child_holds_its_socket():
     finally:
         proc.kill()
         subprocess.run(["pkill", "-f", "time.sleep\\(60\\)"], check=False)
+
+
+class _TrainerOnlyStr(str):
+    """A class the worker cannot import (this test module is not on its path), as a class
+    of a trainer's own script would be."""
+
+
+def test_a_call_the_worker_cannot_load_fails_alone(parser):
+    """Found by review: a call that pickles here but not there killed the worker (its frame
+    could not be read, the stream fell out of step) and broke the parser."""
+    good = orjson.dumps([_reply(45, num_tokens=2)])
+    odd = ReplyRequest(_TrainerOnlyStr(URL), (7,), ROUTING)
+    with pytest.raises(ValueError, match="cannot load the call's arguments"):
+        parser.parse(good, odd).outputs()
+    assert _outcome(parser.parse, good, ReplyRequest(URL, (7,), ROUTING))[0] == "returned"

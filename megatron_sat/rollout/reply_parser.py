@@ -62,6 +62,10 @@ STAGE_RAISE, STAGE_PARSE, STAGE_OK = "raise", "parse", "ok"
 # What a call asks of a worker: parse a body sent with it, or fetch and parse a reply.
 PARSE, FETCH = "parse", "fetch"
 _LENGTH = struct.Struct("<Q")  # the byte length before each frame
+# A call's frame: its id and body size, then the pickle of (kind, args); the worker can answer
+# a call whose pickle it cannot load (a class only the trainer's __main__ defines) and skip its
+# body, so that call fails alone.
+CALL_HEAD = struct.Struct("<QQ")
 
 
 class ReplyParserError(RuntimeError):
@@ -232,7 +236,7 @@ class ReplyParser:
         size = 0 if body is None else len(body)
         # Pickled before the call is taken: an argument that does not pickle fails this call
         # alone, with nothing sent (the worker's stream stays in step).
-        frame = pickle.dumps((call.id, kind, args, size), pickle.HIGHEST_PROTOCOL)
+        frame = CALL_HEAD.pack(call.id, size) + pickle.dumps((kind, args), pickle.HIGHEST_PROTOCOL)
         worker = self._take(call)
         try:
             with worker.send_lock:

@@ -27,6 +27,7 @@ from megatron_sat.platform.lifetime import end_with_parent
 from megatron_sat.rollout.client import SGLangClient
 from megatron_sat.rollout.generate_reply import ReplyRequest, parse_outputs
 from megatron_sat.rollout.reply_parser import (
+    CALL_HEAD,
     FETCH,
     PARSE,
     STAGE_OK,
@@ -49,10 +50,13 @@ def serve_fd(fd: int) -> None:
     serve(socket.socket(fileno=fd))
 
 
+_UNLOADABLE = "unloadable"  # a call whose (kind, args) pickle did not load here
+
+
 def serve(sock: socket.socket) -> None:
-    """A worker's loop: read each call (its frame ``(id, kind, args, body size)``, then the
-    body) and run it in a new thread, until the parent closes its end. Ctrl-C is the parent's
-    to handle: the worker exits with the socket."""
+    """A worker's loop: read each call (its frame: ``CALL_HEAD``'s id and body size, then the
+    pickle of ``(kind, args)``; then the body) and run it in a new thread, until the parent
+    closes its end. Ctrl-C is the parent's to handle: the worker exits with the socket."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     server = _Server(sock)
     try:
@@ -63,11 +67,16 @@ def serve(sock: socket.socket) -> None:
         return
     while True:
         try:
-            call_id, kind, args, size = pickle.loads(recv_frame(sock))
+            frame = recv_frame(sock)
+            call_id, size = CALL_HEAD.unpack_from(frame)
             body = bytearray(size)
             recv_into(sock, memoryview(body))
         except (EOFError, OSError):
             return
+        try:
+            kind, args = pickle.loads(memoryview(frame)[CALL_HEAD.size :])
+        except Exception as e:  # e.g. a class of the trainer's __main__: this call fails alone
+            kind, args = _UNLOADABLE, e
         threading.Thread(
             target=server.run, args=(call_id, kind, args, body), name=f"call{call_id}", daemon=True
         ).start()
@@ -89,6 +98,9 @@ class _Server:
             stage, result, remote_tb = _parse_one(body, args)
         elif kind == FETCH:
             stage, result, remote_tb, refused = self._fetch(*args)
+        elif kind == _UNLOADABLE:
+            error = ValueError(f"reply worker cannot load the call's arguments: {args!r}")
+            stage, result, remote_tb = STAGE_RAISE, portable(error), ""
         else:
             error = ValueError(f"reply worker: unknown call kind {kind!r}")
             stage, result, remote_tb = STAGE_RAISE, portable(error), ""
