@@ -15,14 +15,13 @@ import os
 import pickle
 import signal
 import socket
-import struct
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import orjson
 import pytest
-from test_reply_parser import ROUTING, CharTokenizer, _fields, seeded_reply
+from test_reply_parser import ROUTING, CharTokenizer, _fields, assert_same_samples, seeded_reply
 
 from megatron_sat.rollout.async_pool import AsyncPoolConfig, AsyncRolloutPool
 from megatron_sat.rollout.client import SGLangClient, SGLangError
@@ -249,19 +248,7 @@ def _pool_samples(url: str, workers: int) -> list:
 def test_the_pool_makes_the_same_samples_with_the_fetch_in_workers(server):
     without, with_workers = _pool_samples(server.url, 0), _pool_samples(server.url, 1)
     assert len(without) == 8
-    for a, b in zip(without, with_workers, strict=True):
-        assert (a.index, a.group_index, a.prompt_ids, a.response_ids) == (
-            b.index,
-            b.group_index,
-            b.prompt_ids,
-            b.response_ids,
-        )
-        assert [struct.pack("<d", v) for v in a.rollout_log_probs] == [
-            struct.pack("<d", v) for v in b.rollout_log_probs
-        ]
-        assert a.response_versions == b.response_versions and a.reward == b.reward
-        assert a.routed_experts.dtype == b.routed_experts.dtype
-        assert a.routed_experts.tobytes() == b.routed_experts.tobytes()
+    assert_same_samples(without, with_workers)
 
 
 def test_errors_cross_with_their_class_message_and_attributes():

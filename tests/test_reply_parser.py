@@ -352,10 +352,10 @@ def _pool_samples(workers: int) -> list:
         pool.stop()
 
 
-def test_the_pool_makes_the_same_samples_with_parse_workers():
-    without, with_workers = _pool_samples(0), _pool_samples(1)
-    assert len(without) == 8
-    for a, b in zip(without, with_workers, strict=True):
+def assert_same_samples(want: list, got: list) -> None:
+    """The two pools' samples are equal bit for bit: ids, log-probs (as their bits), versions,
+    rewards, uint8 routes."""
+    for a, b in zip(want, got, strict=True):
         assert (a.index, a.group_index, a.prompt_ids, a.response_ids) == (
             b.index,
             b.group_index,
@@ -368,6 +368,12 @@ def test_the_pool_makes_the_same_samples_with_parse_workers():
         assert a.response_versions == b.response_versions and a.reward == b.reward
         assert a.routed_experts.dtype == b.routed_experts.dtype == np.uint8
         assert a.routed_experts.tobytes() == b.routed_experts.tobytes()
+
+
+def test_the_pool_makes_the_same_samples_with_parse_workers():
+    without, with_workers = _pool_samples(0), _pool_samples(1)
+    assert len(without) == 8
+    assert_same_samples(without, with_workers)
 
 
 @pytest.mark.parametrize("body", ["[]", memoryview(b"[]")], ids=["str", "memoryview"])
