@@ -12,22 +12,21 @@ round measures:
   copies into its parameters).
 - ``ours``: ``WeightUpdater.update`` with its defaults for gloo, buckets of
   ``--bucket-megabytes`` (pause, begin, buckets with bucket k+1 gathered and packed while
-  bucket k is on the wire, version, end, continue): tensors below ``unpacked_from_bytes``
-  (256 KiB on gloo, ``platform.host_copy``) flattened, larger ones in buckets of their own
-  with one broadcast each (each gloo message costs a rendezvous of the two processes, but no
-  packing copy on the sender and, on a server that receives in place, none there; on nccl
-  everything is flattened), and requests pipelined (``pipeline_requests``: bucket k+1 posted
-  once rank 0's broadcast of bucket k completed, before bucket k's reply; safe on this gloo
-  group with real SGLang too, ``weight_sync.request_order``).
+  bucket k is on the wire, version, end, continue): every bucket flattened into one broadcast
+  (SGLang's ``flattened_bucket``), and requests pipelined (``pipeline_requests``: bucket k+1
+  posted once rank 0's broadcast of bucket k completed, before bucket k's reply; safe on this
+  gloo group with real SGLang too, ``weight_sync.request_order``).
 - ``per_tensor``: the same update with SGLang's per-tensor protocol as slime and verl use it
   (``load_format`` null: one broadcast per tensor, all enqueued then awaited, per bucket of the
   same size, each bucket's reply awaited before the next is posted, as slime's ``ray.get``
-  per bucket). Since 0a79720 the embedded server receives each tensor straight into its
-  parameter where dtype and shape match, where SGLang receives into a fresh buffer and then
-  copies it in (``model_runner_components/weight_updater.py``,
-  ``receive_weights_from_distributed`` then ``load_weights_from_distributed``): that favours
-  this baseline, and both protocols equally for tensors of at least ``unpacked_from_bytes``,
-  so ``vs_per_tensor`` measures the pipelining and the flattening of the small tensors.
+  per bucket).
+
+The embedded server receives both formats as SGLang 0.5.23 does: into buffers of their own,
+then copied into the parameters (``model_runner_components/weight_updater.py``,
+``receive_weights_from_distributed`` then ``load_weights_from_distributed``; its reused
+buffer stands in for CUDA's caching allocator). From 0a79720 until this change it received
+per-tensor requests straight into the parameters, which SGLang does not: that favoured the
+per-tensor protocol by one copy on the server.
 
 The two protocols run in alternating order. Per round: ``ratio`` = raw / ours (seconds
 inverted: throughputs), ``ratio_ceiling`` = raw / (raw + 2 copies), what a sync with one
@@ -42,10 +41,10 @@ ceiling is far below 1; on GPUs HBM copies are one to two orders of magnitude fa
 NCCL transfer and it is close to 1.
 
 Usage: ``python bench/weight_sync.py [--megabytes 256] [--rounds 5] [--bucket-megabytes 32]
-[--dtype float32|bfloat16] [--variants serial flattened]`` (bfloat16: every float tensor cast
+[--dtype float32|bfloat16] [--variants serial split]`` (bfloat16: every float tensor cast
 to bf16 and a bf16 server, the wire of a bf16 trainer; ``--variants`` also times ours without
-pipelined requests and ours with every tensor flattened, reported as their time over ours per
-round under ``variants``: the evidence for the gloo defaults).
+pipelined requests and ours with tensors of 256 KiB or more sent per tensor, reported as their
+time over ours per round under ``variants``: the evidence for the gloo defaults).
 """
 
 from __future__ import annotations
@@ -124,7 +123,9 @@ def copy_seconds(tensors: list[torch.Tensor], flat: torch.Tensor) -> float:
 PROTOCOLS: dict[str, dict] = {
     "per_tensor": {"flatten_buckets": False, "pipeline_requests": False},
     "serial": {"pipeline_requests": False},  # ours without pipelined requests
-    "flattened": {"unpacked_from_bytes": None},  # ours with every tensor flattened
+    # ours with tensors of 256 KiB or more sent per tensor (the gloo default until the embedded
+    # server received as SGLang does)
+    "split": {"unpacked_from_bytes": 256 * 1024},
 }
 
 

@@ -76,26 +76,3 @@ def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
         increment_version(dst)
         return
     dst.copy_(src)
-
-
-# gloo on this CPU machine (2 processes, loopback): 32 broadcasts of 1 MiB took 18-25 ms, one
-# broadcast of the same 32 MiB 25-137 ms (the big message's socket copies miss the caches), and
-# packing a tensor costs a memcpy the per-tensor broadcast does not need; a small tensor's
-# broadcast costs a call and a round of both processes' scheduling, more than copying it.
-GLOO_UNPACKED_FROM_BYTES = 256 * 1024
-
-
-def unpacked_from_bytes(backend: str) -> int | None:
-    """The size from which a weight-push tensor travels unpacked (its own broadcast) rather
-    than packed into a flattened bucket, for the group's ``backend``: gloo (host tensors)
-    ``GLOO_UNPACKED_FROM_BYTES``; nccl None (everything packed: a device copy costs little
-    next to one NCCL call per tensor).
-
-    Raises:
-        ValueError: on another backend.
-    """
-    if backend == "gloo":
-        return GLOO_UNPACKED_FROM_BYTES
-    if backend == "nccl":
-        return None
-    raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")

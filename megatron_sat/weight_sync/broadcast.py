@@ -11,7 +11,6 @@ from typing import Any
 
 import torch
 
-from megatron_sat.platform.host_copy import unpacked_from_bytes as platform_unpacked_from_bytes
 from megatron_sat.weight_sync.buckets import Bucket, BucketProducer, pack_order
 from megatron_sat.weight_sync.channel import PAUSE_MODES, SGLangUpdateChannel
 from megatron_sat.weight_sync.request_order import can_pipeline_requests
@@ -69,10 +68,10 @@ class WeightUpdater(BaseWeightUpdater):
        completion proves every server took this bucket's request:
        ``weight_sync.request_order``). Meanwhile a background thread gathers (the export's
        collectives) and packs bucket k+1 into the second of two reused staging buffers
-       (``buckets.BucketProducer``), so the sender's copy overlaps the wire. Tensors of at
-       least ``unpacked_from_bytes`` (gloo default 256 KiB; none on nccl) go in buckets of
-       their own, sent per tensor (``load_format`` null), no packing. Only the final
-       bucket carries ``weight_version``, so a
+       (``buckets.BucketProducer``), so the sender's copy overlaps the wire. With
+       ``unpacked_from_bytes``, tensors of at least that size go in buckets of their own,
+       sent per tensor (``load_format`` null). Only the final bucket carries
+       ``weight_version``, so a
        server's version changes only once all of its buckets loaded. The cache flush is
        SGLang's own, after loading (``flush_cache`` of the request; SGLang fails the update
        if the flush is refused because requests run or wait): on the final bucket for pause
@@ -121,9 +120,12 @@ class WeightUpdater(BaseWeightUpdater):
             "flattened_bucket"``, as SGLang) instead of one broadcast per tensor.
         unpacked_from_bytes: with ``flatten_buckets``, tensors of at least this many bytes
             travel in buckets of their own, one broadcast per tensor (``load_format`` null:
-            no packing copy on either side), the smaller ones flattened; "auto": the
-            platform's choice for ``backend`` (``platform.host_copy.unpacked_from_bytes``:
-            256 KiB on gloo, everything flattened on nccl); None: everything flattened.
+            no packing copy on the sender), the smaller ones flattened; None (default):
+            everything flattened. SGLang receives either format aside and then copies it in,
+            so a per-tensor broadcast saves only the sender's copy, and on gloo each message
+            costs a rendezvous of sender and receiver: against a server that receives as
+            SGLang does, all-flattened pushed 1.33-1.36x faster than per tensor on the CPU
+            test machine (2 cores, ``bench/weight_sync.py``), the 256 KiB split 1.07x.
         pipeline_requests: post bucket k+1's request before bucket k's reply, once the
             first message of rank 0's broadcast of bucket k completed (``send_buckets``);
             "auto": where that
@@ -147,7 +149,7 @@ class WeightUpdater(BaseWeightUpdater):
         pause_mode: str = "retract",
         timeout_s: float = 600.0,
         flatten_buckets: bool = True,
-        unpacked_from_bytes: int | None | str = "auto",
+        unpacked_from_bytes: int | None = None,
         pipeline_requests: bool | str = "auto",
     ) -> None:
         if pause_mode not in PAUSE_MODES:
@@ -164,13 +166,11 @@ class WeightUpdater(BaseWeightUpdater):
             timeout_s=timeout_s,
         )
         self.flatten_buckets = flatten_buckets
-        if unpacked_from_bytes == "auto":
-            unpacked_from_bytes = platform_unpacked_from_bytes(backend)
         if unpacked_from_bytes is not None and (
-            isinstance(unpacked_from_bytes, str) or unpacked_from_bytes < 1
+            not isinstance(unpacked_from_bytes, int) or unpacked_from_bytes < 1
         ):
             raise ValueError(
-                f"unpacked_from_bytes must be 'auto', None or >= 1, got {unpacked_from_bytes!r}"
+                f"unpacked_from_bytes must be None or an int >= 1, got {unpacked_from_bytes!r}"
             )
         self.unpacked_from_bytes = unpacked_from_bytes
         safe = can_pipeline_requests(backend, self.ranks_per_server)
@@ -383,9 +383,10 @@ class WeightUpdater(BaseWeightUpdater):
             # A refused flush is reported after the bucket loaded (SGLang's message says so).
             num_loaded = len(self.clients) - sum(SGLANG_FLUSH_REFUSED not in f for f in failures)
             if posted.broadcast_error is not None and posted.per_tensor:
-                # A server may receive per-tensor requests straight into its parameters (the
-                # embedded one does): a broken broadcast can leave part of the bucket
-                # written, so the servers count as changed and stay paused until a retry.
+                # SGLang 0.5.23 and the embedded server receive aside and load nothing of a
+                # broken broadcast, but a server that received per-tensor requests straight
+                # into its parameters would be partly written: count the servers as changed
+                # (they stay paused until a retry), which costs nothing but that retry.
                 num_loaded = len(self.clients)
             if posted.broadcast_error is not None:
                 failures.append(

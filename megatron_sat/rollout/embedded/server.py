@@ -64,11 +64,10 @@ sender's broadcasts complete and the group stays in step for the next request --
 HTTP 400 ``{"success": false, "message": ...}`` naming each bad parameter, with no weight
 modified and ``weight_version`` unchanged. (3) Otherwise it receives all tensors of the request,
 then copies them into the model (a request is applied whole or not at all) and sets
-``weight_version`` if the request carries one. Exception, a deliberate difference: a per-tensor
-request (``load_format`` null) without mismatches is received straight into the parameters
-(``receive_update``), so a broadcast that breaks half way (the sender died or timed out: the
-group is unusable then anyway) may leave part of that request's tensors written; the answer
-says so, and ``weight_version`` is unchanged.
+``weight_version`` if the request carries one. As in SGLang, every request is received aside
+and then loaded (``receive_update``), so a broadcast that breaks half way (the sender died or
+timed out: the group is unusable then anyway) loads nothing and leaves ``weight_version``
+unchanged.
 """
 
 from __future__ import annotations
@@ -644,12 +643,15 @@ class ServerState:
     def receive_update(
         self, body: dict[str, Any], specs, mismatches: list[str]
     ) -> tuple[bool, str]:
-        """Receive every declared tensor (src rank 0), then load them unless any mismatched.
+        """Receive every declared tensor (src rank 0) into the reused receive buffer, then load
+        them unless any mismatched (copied into the parameters, cast where dtypes differ).
 
-        Per-tensor requests (``load_format`` null) of a request without mismatches are
-        received straight into the parameters they load where dtype and shape match and the
-        parameter is contiguous (nothing left to copy); every other tensor lands in the reused
-        receive buffer and is copied in after the whole request arrived.
+        SGLang receives each request into fresh ``torch.empty`` buffers and only then loads it
+        (sglang 0.5.23 ``model_runner_components/weight_updater.py``:
+        ``receive_weights_from_distributed``, then ``load_weights_from_distributed``), both
+        formats: a request costs the server one copy after its broadcast, and a broken
+        broadcast loads nothing. The reused buffer stands in for CUDA's caching allocator (a
+        fresh host allocation would add page faults that SGLang on a GPU does not pay).
         """
         group = self.groups[body.get("group_name", "weight_update_group")]
         with self.scheduler.model_lock:
@@ -657,13 +659,9 @@ class ServerState:
                 if body.get("load_format") == "flattened_bucket":
                     received = self._receive_flattened(group, specs)
                 else:
-                    received = self._receive_per_tensor(group, specs, in_place=not mismatches)
+                    received = self._receive_per_tensor(group, specs)
             except RuntimeError as e:  # timeout or a sender that went away
-                if body.get("load_format") == "flattened_bucket" or mismatches:
-                    loaded = "no weight loaded"
-                else:
-                    loaded = "weights may be partly overwritten, weight_version unchanged"
-                return False, f"broadcast failed, {loaded} (group may be unusable): {e!r}"
+                return False, f"broadcast failed, no weight loaded (group may be unusable): {e!r}"
             if mismatches:
                 return False, f"rejected {len(mismatches)} parameter(s): " + "; ".join(mismatches)
             self.engine.load_weights(received)
@@ -689,46 +687,24 @@ class ServerState:
         group.broadcast(flat, src=0)
         return [(s[0], t) for s, t in zip(specs, unflatten(flat, specs), strict=True)]
 
-    def _receive_per_tensor(
-        self, group, specs, *, in_place: bool
-    ) -> list[tuple[str, torch.Tensor]]:
+    def _receive_per_tensor(self, group, specs) -> list[tuple[str, torch.Tensor]]:
         """SGLang's per-tensor protocol (``load_format`` null): one broadcast per spec, all
-        enqueued then awaited, as the sender enqueues them. With ``in_place``, a tensor whose
-        parameter has its dtype and shape and is contiguous is received into the parameter
-        itself: on a CPU the copy from a scratch buffer costs about as much as the loopback
-        broadcast (SGLang receives into fresh buffers and loads them, on a GPU at HBM speed).
-        The others are received at 64-byte-aligned offsets of the reused receive buffer.
-
-        Returns:
-            (name, tensor) of the tensors still to be copied in (``load_weights``).
-        """
-        targets: list[torch.Tensor | None] = []
+        enqueued then awaited, as the sender enqueues them, each into its own 64-byte-aligned
+        slice of the reused receive buffer. Returns (name, tensor) per spec, valid until the
+        next update."""
         offsets, end = [], 0
-        for name, dtype, shape in specs:
-            target = self.engine.weight_targets.get(name) if in_place else None
-            if target is not None and _receivable_in_place(target, dtype, shape):
-                targets.append(target.detach())
-                offsets.append(-1)
-            else:
-                targets.append(None)
-                offsets.append(end)
-                end += -(-_nbytes(dtype, shape) // 64) * 64
+        for _, dtype, shape in specs:
+            offsets.append(end)
+            end += -(-_nbytes(dtype, shape) // 64) * 64
         scratch = self._receive_buffer_for(end)
-        to_load, buffers = [], []
-        for (name, dtype, shape), target, offset in zip(specs, targets, offsets, strict=True):
-            if target is None:
-                target = scratch[offset : offset + _nbytes(dtype, shape)].view(dtype).view(shape)
-                to_load.append((name, target))
-            buffers.append(target)
-        works = [group.broadcast(buf, src=0, async_op=True) for buf in buffers]
+        received = [
+            (name, scratch[offset : offset + _nbytes(dtype, shape)].view(dtype).view(shape))
+            for (name, dtype, shape), offset in zip(specs, offsets, strict=True)
+        ]
+        works = [group.broadcast(t, src=0, async_op=True) for _, t in received]
         for work in works:
             work.wait()
-        return to_load
-
-
-def _receivable_in_place(target: torch.Tensor, dtype: torch.dtype, shape) -> bool:
-    """Whether a broadcast of ``dtype`` ``shape`` can land in ``target`` as it is."""
-    return target.dtype == dtype and tuple(target.shape) == tuple(shape) and target.is_contiguous()
+        return received
 
 
 def _loadable(sent: torch.dtype, target: torch.dtype) -> bool:
