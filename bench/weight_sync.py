@@ -11,8 +11,9 @@ round measures:
   work a protocol with one copy per side adds on each side (the sender packs, the server
   copies into its parameters).
 - ``ours``: ``WeightUpdater.update`` with its defaults for gloo, buckets of
-  ``--bucket-megabytes`` (pause, begin, buckets with bucket k+1 gathered and packed while
-  bucket k is on the wire, version, end, continue): every bucket flattened into one broadcast
+  ``--bucket-megabytes`` (pause, begin, buckets with bucket k+1 gathered during bucket k's
+  broadcast and packed while the server loads bucket k, version, end, continue): every bucket
+  flattened into one broadcast
   (SGLang's ``flattened_bucket``), and requests pipelined (``pipeline_requests``: bucket k+1
   posted once rank 0's broadcast of bucket k completed, before bucket k's reply; safe on this
   gloo group with real SGLang too, ``weight_sync.request_order``).
@@ -40,7 +41,7 @@ On a CPU a memcpy runs at only a few times the speed of a loopback gloo broadcas
 ceiling is far below 1; on GPUs HBM copies are one to two orders of magnitude faster than the
 NCCL transfer and it is close to 1.
 
-Usage: ``python bench/weight_sync.py [--megabytes 256] [--rounds 5] [--bucket-megabytes 32]
+Usage: ``python bench/weight_sync.py [--megabytes 256] [--rounds 9] [--bucket-megabytes 32]
 [--dtype float32|bfloat16] [--variants serial split]`` (bfloat16: every float tensor cast
 to bf16 and a bf16 server, the wire of a bf16 trainer; ``--variants`` also times ours without
 pipelined requests and ours with tensors of 256 KiB or more sent per tensor, reported as their
@@ -136,7 +137,7 @@ def _spread(values: list[float]) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--megabytes", type=float, default=256.0)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--bucket-megabytes", type=float, default=32.0)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument(

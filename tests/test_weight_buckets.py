@@ -56,6 +56,7 @@ def test_packed_buckets_unflatten_bitwise(bucket_bytes):
     ) as producer:
         buckets = []
         for bucket in producer:
+            bucket.wait_packed()
             specs = [
                 (n, getattr(torch, d), tuple(s))
                 for n, d, s in zip(bucket.names, bucket.dtypes, bucket.shapes, strict=True)
@@ -104,12 +105,23 @@ def test_producer_holds_at_most_two_buckets_ahead():
         threading.Event().wait(0.3)  # the thread would run ahead now if it could
         # Two buckets built (one tensor each) and the one tensor iter_buckets reads ahead.
         assert read == [0, 1, 2]
+        first.wait_packed()
         assert torch.equal(first.flat.view(torch.float32), torch.zeros(4))
+        # A host bucket is handed out before it is packed, and packed only once the bucket
+        # before it is released (its broadcast done): the copy then runs while the server
+        # loads that bucket, not beside the wire.
+        assert not second.packed.wait(0.3)
         producer.release(first)
-        third = next(buckets)
-        assert torch.equal(third.flat.view(torch.float32), torch.full((4,), 2.0))
-        # Bucket 2 reused bucket 0's buffer; bucket 1's bytes are intact.
+        second.wait_packed()
         assert torch.equal(second.flat.view(torch.float32), torch.ones(4))
+        third = next(buckets)
+        assert not third.packed.wait(0.3)
+        assert torch.equal(second.flat.view(torch.float32), torch.ones(4))
+        producer.release(second)
+        third.wait_packed()
+        # Bucket 2 reused bucket 0's buffer.
+        assert third.flat.data_ptr() == first.flat.data_ptr()
+        assert torch.equal(third.flat.view(torch.float32), torch.full((4,), 2.0))
     # Leaving early stops the thread; the caller can drain the rest itself.
     assert len(read) <= 5
 
@@ -125,6 +137,19 @@ def test_source_error_reaches_the_sender():
         ) as producer:
             for bucket in producer:
                 producer.release(bucket)
+
+
+def test_a_bucket_left_unpacked_raises_when_awaited():
+    # The sender stops (a failed broadcast) while bucket 1 waits for bucket 0's release.
+    tensors = [(f"t{i}", torch.full((4,), float(i))) for i in range(3)]
+    with BucketProducer(
+        iter(tensors), 16, torch.device("cpu"), flatten=True, staging=[None, None]
+    ) as producer:
+        buckets = iter(producer)
+        next(buckets)
+        second = next(buckets)
+    with pytest.raises(RuntimeError, match="stopped before this bucket was packed"):
+        second.wait_packed()
 
 
 def test_copy_bytes_into_checks_sizes():

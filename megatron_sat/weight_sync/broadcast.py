@@ -68,7 +68,8 @@ class WeightUpdater(BaseWeightUpdater):
        completion proves every server took this bucket's request:
        ``weight_sync.request_order``). Meanwhile a background thread gathers (the export's
        collectives) and packs bucket k+1 into the second of two reused staging buffers
-       (``buckets.BucketProducer``), so the sender's copy overlaps the wire. With
+       (``buckets.BucketProducer``): on CUDA on a side stream while bucket k is on the wire,
+       on the host once bucket k's broadcast completed, while the servers load it. With
        ``unpacked_from_bytes``, tensors of at least that size go in buckets of their own,
        sent per tensor (``load_format`` null). Only the final bucket carries
        ``weight_version``, so a
@@ -223,7 +224,8 @@ class WeightUpdater(BaseWeightUpdater):
         """Step 2 over this updater's group: the buckets of ``named_tensors``, the last one
         with ``weight_version`` and SGLang's flush (None: no bucket carries either, another
         sender's last bucket does). Bucket k+1 is gathered and packed on a background thread
-        (``buckets.BucketProducer``) while bucket k is posted and broadcast. Bucket k+1's
+        (``buckets.BucketProducer``; on the host its packing waits for bucket k's broadcast
+        to complete). Bucket k+1's
         ``/update_weights_from_distributed`` is posted once the first message of rank 0's
         broadcast of bucket k completed (a flattened bucket is one message) and every reply
         before bucket k's is in, so that it travels while bucket k is on the wire
@@ -349,7 +351,9 @@ class WeightUpdater(BaseWeightUpdater):
     def _start_broadcast(self, bucket: Bucket) -> tuple[RuntimeError | None, list[Any]]:
         """Rank 0's broadcast of ``bucket`` until its first message completed (on gloo:
         every receiving rank joined it); returns (the error, if it failed; the works still
-        to await). A flattened bucket is one message: completed on return."""
+        to await). A flattened bucket is one message: completed on return. A host bucket
+        is packed while its request travels: wait for its bytes first."""
+        bucket.wait_packed()  # outside the try: a packing error is not the broadcast's
         try:
             if bucket.flat is not None:
                 # One collective per bucket (SGLang's flattened_bucket).

@@ -11,6 +11,7 @@ for small tensors, and NCCL launches one kernel per call.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import queue
 import threading
 from collections.abc import Iterable, Iterator
@@ -35,6 +36,8 @@ class Bucket:
             staging buffer that is repacked once the bucket is released.
         tensors: the tensors on the group's device (contiguous) when not packed, else empty.
         slot: the in-flight slot it holds until released.
+        packed: set once ``flat`` holds the bytes, for a bucket handed out before it is
+            packed (host buckets, ``BucketProducer``); None: ready when handed out.
     """
 
     names: list[str]
@@ -45,6 +48,15 @@ class Bucket:
     flat: torch.Tensor | None = None
     tensors: list[torch.Tensor] = field(default_factory=list)
     slot: int = 0
+    packed: threading.Event | None = None
+    pack_error: BaseException | None = None
+
+    def wait_packed(self) -> None:
+        """Block until ``flat`` holds the bucket's bytes; re-raises the packing's error."""
+        if self.packed is not None:
+            self.packed.wait()
+        if self.pack_error is not None:
+            raise self.pack_error
 
 
 def nbytes(tensor: torch.Tensor) -> int:
@@ -121,6 +133,14 @@ class BucketProducer:
     broadcast, and the sender's ``release`` of bucket k lets the thread build bucket k+2 in
     its buffer. Without ``flatten`` the thread only gathers ahead (no buffers are used).
 
+    On the host a bucket is handed out gathered but not yet packed (``Bucket.wait_packed``),
+    and packed only once the bucket before it is released, its broadcast complete: the sender
+    posts its request meanwhile, and the copy runs while the server loads the previous
+    bucket (SGLang receives a request, then loads it, before it joins the next broadcast)
+    instead of competing for the cores with the wire, where a loopback gloo broadcast keeps
+    a core busy on each side (the CPU time of the sending process about 90% of the
+    broadcast's wall time, measured on the 2-core test machine).
+
     On CUDA the packing runs on a side stream: it waits for the stream the export's tensors
     were made on, each bucket carries an event the sender's stream waits on before its
     broadcast, and a released buffer is repacked only after the sender's stream passed that
@@ -165,6 +185,8 @@ class BucketProducer:
         for slot in range(len(staging)):
             self._free.put((slot, None))
         self._stop = threading.Event()
+        self._released = 0  # buckets the sender released (it releases them in order)
+        self._released_changed = threading.Condition()
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._thread = threading.Thread(target=self._run, name="weight_sync_pack", daemon=True)
 
@@ -175,6 +197,8 @@ class BucketProducer:
     def __exit__(self, exc_type, exc, tb) -> None:
         self._stop.set()
         self._free.put((None, None))  # wakes the thread if it waits for a slot
+        with self._released_changed:  # or for a release, to pack
+            self._released_changed.notify_all()
         self._thread.join()
 
     def __iter__(self) -> Iterator[Bucket]:
@@ -198,6 +222,9 @@ class BucketProducer:
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(self._device))
         self._free.put((bucket.slot, event))
+        with self._released_changed:
+            self._released += 1
+            self._released_changed.notify_all()
 
     def _run(self) -> None:
         try:
@@ -206,7 +233,7 @@ class BucketProducer:
                 # export's collectives and copies on this thread must use the sender's.
                 torch.cuda.set_device(self._device)
             groups = iter_buckets(self._source, self._bucket_bytes, self._unpacked_from_bytes)
-            while True:
+            for index in itertools.count():
                 # A slot first, then the next group: at most len(staging) buckets (and the
                 # one tensor iter_buckets reads ahead) exist at a time.
                 slot, event = self._free.get()
@@ -216,10 +243,52 @@ class BucketProducer:
                 if item is None:
                     break
                 group, is_last, packed = item
-                self._ready.put(self._build(pack_order(group), is_last, packed, slot, event))
+                if self._stream is None and self._flatten and packed:
+                    self._build_host(index, pack_order(group), is_last, slot)
+                else:
+                    self._ready.put(self._build(pack_order(group), is_last, packed, slot, event))
             self._ready.put(self._DONE)
         except BaseException as e:  # handed to the sender, which re-raises it
             self._ready.put(e)
+
+    def _build_host(self, index: int, group, is_last: bool, slot: int) -> None:
+        """Hand out host bucket ``index`` gathered, then pack it once bucket ``index - 1`` is
+        released (``__init__``'s docstring says why)."""
+        tensors = [t.detach().cpu().contiguous() for _, t in group]
+        total = sum(nbytes(t) for t in tensors)
+        buffer = self._staging_buffer(slot, total)
+        bucket = Bucket(
+            names=[name for name, _ in group],
+            dtypes=[str(t.dtype).removeprefix("torch.") for t in tensors],
+            shapes=[list(t.shape) for t in tensors],
+            is_last=is_last,
+            num_bytes=total,
+            flat=buffer[:total],
+            slot=slot,
+            packed=threading.Event(),
+        )
+        self._ready.put((bucket, None))
+        try:
+            with self._released_changed:
+                while self._released < index and not self._stop.is_set():
+                    self._released_changed.wait()
+            if self._stop.is_set():
+                raise RuntimeError("the weight push stopped before this bucket was packed")
+            pack_into(tensors, buffer)
+        except BaseException as e:  # the sender may wait for this bucket: hand it the error
+            bucket.pack_error = e
+            raise
+        finally:
+            bucket.packed.set()
+
+    def _staging_buffer(self, slot: int, num_bytes: int) -> torch.Tensor:
+        """Staging buffer ``slot``, grown to at least ``num_bytes``."""
+        buffer = self._staging[slot]
+        if buffer is None or buffer.numel() < num_bytes:
+            self._staging[slot] = None  # free the old one before allocating its successor
+            buffer = torch.empty(num_bytes, dtype=torch.uint8, device=self._device)
+            self._staging[slot] = buffer
+        return buffer
 
     def _build(self, group, is_last: bool, packed: bool, slot: int, event):
         names = [name for name, _ in group]
@@ -240,12 +309,7 @@ class BucketProducer:
             if self._stream is not None:
                 for t in tensors:  # their memory must outlive the copy on the side stream
                     t.record_stream(self._stream)
-            buffer = self._staging[slot]
-            if buffer is None or buffer.numel() < total:
-                self._staging[slot] = None  # free the old one before allocating its successor
-                buffer = torch.empty(total, dtype=torch.uint8, device=self._device)
-                self._staging[slot] = buffer
-            flat = pack_into(tensors, buffer)
+            flat = pack_into(tensors, self._staging_buffer(slot, total))
             done = None
             if self._stream is not None:
                 done = torch.cuda.Event()
