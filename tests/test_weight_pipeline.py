@@ -335,3 +335,36 @@ def test_a_later_stage_failing_is_reported_as_mixed_weights_under_the_old_versio
         updater._pool.shutdown()
     assert "holds the new weight_version" not in str(raised.value)
     assert "old weight_version" in str(raised.value)
+
+
+@pytest.mark.parametrize(("pipeline", "failing", "posted"), [(False, 1, 1), (True, 2, 3)])
+def test_a_packing_error_leaves_no_server_waiting_in_a_broadcast(
+    monkeypatch, pipeline, failing, posted
+):
+    """A bucket is packed before its request is posted, except a bucket posted ahead, which
+    is still broadcast (as it is) when its packing fails: every posted request gets its
+    broadcast, or a real server would wait in it until the group's timeout."""
+    import megatron_sat.weight_sync.buckets as buckets
+
+    real, calls = buckets.pack_into, []
+
+    def pack_into(tensors, staging):
+        calls.append(len(calls))
+        if len(calls) == failing + 1:
+            raise MemoryError(f"packing bucket {failing} failed")
+        return real(tensors, staging)
+
+    monkeypatch.setattr(buckets, "pack_into", pack_into)
+    log = Log()
+    channel = Channel(log, reply_s=0.01)
+    updater = WeightUpdater([channel], bucket_bytes=1024, pipeline_requests=pipeline)
+    updater._group = Group(log)
+    tensors = [(f"t{i}", torch.full((200,), float(i))) for i in range(5)]  # a bucket each
+    with pytest.raises(MemoryError, match=f"packing bucket {failing} failed"):
+        updater.update(tensors, weight_version="v1")
+    updater._pool.shutdown()
+    kinds = [kind for kind, _ in log.events]
+    assert kinds.count("post") == kinds.count("broadcast") == kinds.count("reply") == posted
+    # Earlier buckets loaded (and, pipelined, bucket 2's bytes as they were): the sessions end,
+    # the servers stay paused until a retry.
+    assert updater.loaded_any and channel.calls == ["pause", "begin", "end"]

@@ -298,6 +298,9 @@ class WeightUpdater(BaseWeightUpdater):
                 self._await_replies(in_flight, 0, failures)
                 if failures:
                     break
+                # Packed (while the servers loaded the previous bucket) before its request
+                # goes out: a packing error then leaves no server waiting in its broadcast.
+                bucket.wait_packed()
                 current = self._post(bucket, index, weight_version)
                 in_flight.append(current)
             current.broadcast_error, rest = self._start_broadcast(bucket)
@@ -352,8 +355,17 @@ class WeightUpdater(BaseWeightUpdater):
         """Rank 0's broadcast of ``bucket`` until its first message completed (on gloo:
         every receiving rank joined it); returns (the error, if it failed; the works still
         to await). A flattened bucket is one message: completed on return. A host bucket
-        is packed while its request travels: wait for its bytes first."""
-        bucket.wait_packed()  # outside the try: a packing error is not the broadcast's
+        posted ahead is packed while its request travels: wait for its bytes first."""
+        try:
+            bucket.wait_packed()
+        except BaseException:
+            # Only a bucket posted ahead gets here unpacked, and its servers wait in this
+            # broadcast: send the buffer as it is, so that they answer and the group stays in
+            # step, then fail. They load those bytes, so they count as changed and stay
+            # paused until a retry; a bucket posted ahead never carries the version.
+            with contextlib.suppress(RuntimeError):
+                self._group.broadcast(bucket.flat, src=0)
+            raise
         try:
             if bucket.flat is not None:
                 # One collective per bucket (SGLang's flattened_bucket).
