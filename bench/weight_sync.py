@@ -11,8 +11,9 @@ round measures:
   work a protocol with one copy per side adds on each side (the sender packs, the server
   copies into its parameters).
 - ``ours``: ``WeightUpdater.update`` with its defaults for gloo, buckets of
-  ``--bucket-megabytes`` (pause, begin, buckets with bucket k+1 gathered during bucket k's
-  broadcast and packed while the server loads bucket k, version, end, continue): every bucket
+  ``--bucket-megabytes`` (pause and begin while bucket 0 is gathered and packed, then buckets
+  with bucket k+1 gathered during bucket k's broadcast and packed while the server loads
+  bucket k, version, end, continue): every bucket
   flattened into one broadcast
   (SGLang's ``flattened_bucket``), and requests pipelined (``pipeline_requests``: bucket k+1
   posted once rank 0's broadcast of bucket k completed, before bucket k's reply; safe on this

@@ -368,3 +368,69 @@ def test_a_packing_error_leaves_no_server_waiting_in_a_broadcast(
     # Earlier buckets loaded (and, pipelined, bucket 2's bytes as they were): the sessions end,
     # the servers stay paused until a retry.
     assert updater.loaded_any and channel.calls == ["pause", "begin", "end"]
+
+
+class PausingChannel(Channel):
+    """A server whose ``/begin_weight_update`` answers once ``ready`` is set (or after 5 s):
+    it records whether the first bucket was built by then."""
+
+    def __init__(self, log: Log, ready: threading.Event, refuse_begin: bool = False) -> None:
+        super().__init__(log, reply_s=0.0)
+        self.ready, self.refuse_begin, self.ready_at_begin = ready, refuse_begin, None
+
+    def begin_weight_update(self, selector="all"):
+        self.ready_at_begin = self.ready.wait(timeout=5.0)
+        super().begin_weight_update(selector)
+        if self.refuse_begin:
+            raise RuntimeError("a weight-update session is already open")
+
+
+def test_the_first_bucket_is_packed_while_the_servers_pause(monkeypatch):
+    """``update`` starts the producer before ``/pause_generation``: bucket 0 is gathered and
+    packed while the servers pause and open their sessions."""
+    import megatron_sat.weight_sync.buckets as buckets
+
+    real, packed = buckets.pack_into, threading.Event()
+
+    def pack_into(tensors, staging):
+        flat = real(tensors, staging)
+        packed.set()
+        return flat
+
+    monkeypatch.setattr(buckets, "pack_into", pack_into)
+    log = Log()
+    channel = PausingChannel(log, packed)
+    updater = WeightUpdater([channel], bucket_bytes=1024)
+    updater._group = Group(log)
+    updater.update([(f"t{i}", torch.full((200,), float(i))) for i in range(3)], "v1")
+    updater._pool.shutdown()
+    assert channel.ready_at_begin is True  # False: begin waited 5 s for a pack that never came
+    assert channel.calls == ["pause", "begin", "end", "continue"]
+    assert sorted(log.events) == sorted(
+        (kind, k) for k in range(3) for kind in ("post", "broadcast", "reply")
+    )
+
+
+def test_a_refused_begin_stops_the_producer_and_leaves_the_rest_of_the_source():
+    """A ``/begin_weight_update`` refused after the producer read ahead: nothing is posted or
+    broadcast, generation resumes, and every tensor the producer did not read is still in
+    the source, in order (a Megatron push drains it on every rank: the export's collectives)."""
+    log, read = Log(), threading.Event()
+
+    def source():
+        for i in range(6):
+            yield f"t{i}", torch.full((200,), float(i))
+            read.set()
+
+    channel = PausingChannel(log, read, refuse_begin=True)
+    updater = WeightUpdater([channel], bucket_bytes=1024)
+    updater._group = Group(log)
+    tensors = source()
+    with pytest.raises(WeightSyncError, match="No server changed weights"):
+        updater.update(tensors, "v1")
+    updater._pool.shutdown()
+    rest = [name for name, _ in tensors]
+    assert channel.ready_at_begin is True and not log.events
+    assert channel.calls == ["pause", "begin", "continue"]  # no session opened: no end
+    # Two staging slots: at most buckets 0 and 1, and the one tensor read ahead, were taken.
+    assert 1 <= 6 - len(rest) <= 3 and rest == [f"t{i}" for i in range(6 - len(rest), 6)]

@@ -49,7 +49,8 @@ class WeightUpdater(BaseWeightUpdater):
     before it, ``world_size`` = 1 + all server ranks) to every server concurrently while it
     builds rank 0 of the group.
 
-    One ``update(named_tensors, weight_version)`` (sglang 0.5.23's protocol):
+    One ``update(named_tensors, weight_version)`` (sglang 0.5.23's protocol; the buckets are
+    built from the start, ``prepare``, so the first one is ready when the sessions open):
 
     1. ``/pause_generation`` (``pause_mode``) on every server, then ``/begin_weight_update``
        (``{"selector": "all"}``): SGLang refuses ``/update_weights_from_distributed`` outside
@@ -218,14 +219,33 @@ class WeightUpdater(BaseWeightUpdater):
     def _release_staging(self) -> None:
         self._staging = [None, None]
 
+    def prepare(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> BucketProducer:
+        """The buckets of ``named_tensors``, built ahead by a ``BucketProducer``: ``update``
+        enters it before the servers pause, so that the first bucket is gathered (the
+        export's collectives) and packed while they pause and open their sessions."""
+        if self.backend == "nccl":
+            device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            device = torch.device("cpu")
+        return BucketProducer(
+            named_tensors,
+            self.bucket_bytes,
+            device,
+            flatten=self.flatten_buckets,
+            staging=self._staging,
+            unpacked_from_bytes=self.unpacked_from_bytes,
+        )
+
     def send_buckets(
-        self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: str | None
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]] | BucketProducer,
+        weight_version: str | None,
     ) -> UpdateStats:
-        """Step 2 over this updater's group: the buckets of ``named_tensors``, the last one
-        with ``weight_version`` and SGLang's flush (None: no bucket carries either, another
-        sender's last bucket does). Bucket k+1 is gathered and packed on a background thread
-        (``buckets.BucketProducer``; on the host its packing waits for bucket k's broadcast
-        to complete). Bucket k+1's
+        """Step 2 over this updater's group: the buckets of ``named_tensors`` (or of an entered
+        ``prepare``), the last one with ``weight_version`` and SGLang's flush (None: no
+        bucket carries either, another sender's last bucket does). Bucket k+1 is gathered
+        and packed on a background thread (``buckets.BucketProducer``; on the host its
+        packing waits for bucket k's broadcast to complete). Bucket k+1's
         ``/update_weights_from_distributed`` is posted once the first message of rank 0's
         broadcast of bucket k completed (a flattened bucket is one message) and every reply
         before bucket k's is in, so that it travels while bucket k is on the wire
@@ -249,28 +269,20 @@ class WeightUpdater(BaseWeightUpdater):
         """
         if self._group is None:
             raise RuntimeError("call connect() before update()")
+        if isinstance(named_tensors, BucketProducer):  # prepare()'s, entered by the caller
+            return self._send_produced(named_tensors, weight_version)
+        with self.prepare(named_tensors) as producer:
+            return self._send_produced(producer, weight_version)
+
+    def _send_produced(self, producer: BucketProducer, weight_version: str | None) -> UpdateStats:
+        """``send_buckets`` of the buckets of an entered ``producer``."""
         start = time.perf_counter()
         self._loaded = self._flush_refused = False
         self._server_failures: list[str] = []
-        if self.backend == "nccl":
-            device = torch.device("cuda", torch.cuda.current_device())
-        else:
-            device = torch.device("cpu")
-        producer = BucketProducer(
-            named_tensors,
-            self.bucket_bytes,
-            device,
-            flatten=self.flatten_buckets,
-            staging=self._staging,
-            unpacked_from_bytes=self.unpacked_from_bytes,
-        )
         in_flight: list[_Posted] = []
         failures: list[str] = []
         try:
-            with producer:
-                counts = self._send_all(
-                    iter(producer), producer, weight_version, in_flight, failures
-                )
+            counts = self._send_all(iter(producer), producer, weight_version, in_flight, failures)
         finally:
             # Every posted bucket is broadcast already: its replies come (or fail) on their own.
             self._await_replies(in_flight, 0, failures)

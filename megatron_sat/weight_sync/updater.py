@@ -22,6 +22,7 @@ failure leaves on the servers (``_fail``); the servers are reached through chann
 from __future__ import annotations
 
 import abc
+import contextlib
 import dataclasses
 import threading
 import time
@@ -198,15 +199,26 @@ class BaseWeightUpdater(abc.ABC):
         """
         if not weight_version:
             raise ValueError("weight_version must be a non-empty string")
+        if self._group is None:
+            raise RuntimeError("call connect() before update()")
         start = time.perf_counter()
-        self.begin_update()
-        try:
-            stats = self.send_buckets(named_tensors, weight_version)
-        except BaseException as e:
-            self.end_update(e)
-            raise  # end_update raised already; this is for type checkers
+        with self.prepare(named_tensors) as source:
+            self.begin_update()
+            try:
+                stats = self.send_buckets(source, weight_version)
+            except BaseException as e:
+                self.end_update(e)
+                raise  # end_update raised already; this is for type checkers
         self.end_update(weight_version=weight_version)
         return dataclasses.replace(stats, seconds=time.perf_counter() - start)
+
+    def prepare(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]]
+    ) -> contextlib.AbstractContextManager[Iterable[tuple[str, torch.Tensor]]]:
+        """What ``update`` hands to ``send_buckets``, entered before the servers pause, so that
+        an engine's transport may start on the tensors meanwhile (``WeightUpdater`` gathers
+        and packs its first buckets); leaving it stops that work. Default: the tensors."""
+        return contextlib.nullcontext(named_tensors)
 
     def begin_update(self) -> None:
         """Step 1 on every server: pause, then open the session.
