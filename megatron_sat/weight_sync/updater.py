@@ -214,10 +214,11 @@ class BaseWeightUpdater(abc.ABC):
 
     def prepare(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]]
-    ) -> contextlib.AbstractContextManager[Iterable[tuple[str, torch.Tensor]]]:
-        """What ``update`` hands to ``send_buckets``, entered before the servers pause, so that
-        an engine's transport may start on the tensors meanwhile (``WeightUpdater`` gathers
-        and packs its first buckets); leaving it stops that work. Default: the tensors."""
+    ) -> contextlib.AbstractContextManager[Any]:
+        """A context whose value ``update`` hands to ``send_buckets``, entered before the
+        servers pause, so that an engine's transport may start on the tensors meanwhile
+        (``WeightUpdater`` gathers and packs its first buckets); leaving it stops that work.
+        Default: the tensors themselves."""
         return contextlib.nullcontext(named_tensors)
 
     def begin_update(self) -> None:
