@@ -222,7 +222,9 @@ class WeightUpdater(BaseWeightUpdater):
     def prepare(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> BucketProducer:
         """The buckets of ``named_tensors``, built ahead by a ``BucketProducer``: ``update``
         enters it before the servers pause, so that the first bucket is gathered (the
-        export's collectives) and packed while they pause and open their sessions."""
+        export's collectives) and packed while they pause and open their sessions; so does
+        ``send_buckets`` given tensors. A subclass that changes the tensors (renames, filters)
+        overrides this method: both paths take the tensors through it."""
         if self.backend == "nccl":
             device = torch.device("cuda", torch.cuda.current_device())
         else:

@@ -43,11 +43,11 @@ from conftest import make_tiny_checkpoint  # noqa: E402
 from megatron_sat.checkpoint.convert import build_model  # noqa: E402
 from megatron_sat.checkpoint.hf_io import read_hf_config, read_hf_tensors  # noqa: E402
 from megatron_sat.checkpoint.sharding import load_hf_tensors  # noqa: E402
-from megatron_sat.rollout.client import SamplingParams, SGLangClient  # noqa: E402
-from megatron_sat.rollout.embedded.launch import EmbeddedServer  # noqa: E402
 from megatron_sat.config import ParallelConfig  # noqa: E402
 from megatron_sat.platform.distributed import init_distributed  # noqa: E402
-from megatron_sat.weight_sync.broadcast import UpdateStats, WeightUpdater  # noqa: E402
+from megatron_sat.rollout.client import SamplingParams, SGLangClient  # noqa: E402
+from megatron_sat.rollout.embedded.launch import EmbeddedServer  # noqa: E402
+from megatron_sat.weight_sync.broadcast import WeightUpdater  # noqa: E402
 from megatron_sat.weight_sync.megatron_push import push_megatron_weights  # noqa: E402
 
 CASES = {"tp2": ParallelConfig(2, 1, 1), "ep2": ParallelConfig(1, 1, 2)}
@@ -62,18 +62,17 @@ class RejectingUpdater(WeightUpdater):
 
     reject_at: int | None = None
 
-    def send_buckets(
-        self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: str | None
-    ) -> UpdateStats:
+    def prepare(self, named_tensors: Iterable[tuple[str, torch.Tensor]]):
+        # Both update() and send_buckets() take the tensors through prepare().
         if self.reject_at is None:
-            return super().send_buckets(named_tensors, weight_version)
+            return super().prepare(named_tensors)
         at = self.reject_at
 
         def renamed():
             for i, (name, tensor) in enumerate(named_tensors):
                 yield (f"{name}.rejected" if i == at else name), tensor
 
-        return super().send_buckets(renamed(), weight_version)
+        return super().prepare(renamed())
 
 
 def set_layout(parallel: ParallelConfig) -> None:
