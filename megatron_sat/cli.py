@@ -46,7 +46,7 @@ def _train(args: argparse.Namespace) -> int:
     cfg = _load_config("train", args.config, args.overrides)
     try:  # before anything is built: a wrong layout or an over-long row fails here, named
         validate_run(cfg)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, FileExistsError) as e:
         print(f"megatron-sat train: {e}", file=sys.stderr)
         return 1
     if args.dry_run:

@@ -19,9 +19,11 @@ A cell is (row, lag, seed); its run directory is ``output_dir/<row id>/lag<L>_se
 ``run_dir``, ``train.seed`` and the lag overrides set. ``run_sweep`` runs the cells one process
 at a time (``megatron-sat train`` in a subprocess, so each cell gets a fresh megatron-core
 world); a cell whose ``summary.json`` exists is finished and skipped, so a sweep resumes where
-it stopped, across sessions. An unfinished cell with a run checkpoint continues from it
-(``train.resume=true``); one without is started again from scratch. ``render_slurm_array``
-writes an sbatch job array with one task per cell (``megatron-sat sweep --cell i``).
+it stopped, across sessions. An unfinished cell that logged anything is run with
+``train.resume=true``: it continues from its run checkpoint, or, without one, starts again
+from step 1, dropping the lines the interrupted attempt logged (``training.run_folder``).
+``render_slurm_array`` writes an sbatch job array with one task per cell (``megatron-sat
+sweep --cell i``).
 
 ``sweep_report`` reads every finished cell's ``metrics.jsonl`` and writes ``table.md`` and
 figures; the statistics per row and lag are described in ``CELL_STATS`` and ``COLLAPSE_RULE``.
@@ -46,6 +48,7 @@ from typing import Any
 import yaml
 
 from megatron_sat.platform.threads import child_env
+from megatron_sat.training.run_folder import previous_run
 
 # A run collapsed when its final held-out accuracy lost more than this share of its best.
 COLLAPSE_DROP = 0.2
@@ -218,12 +221,12 @@ def _grid_cells(grid: SweepGrid, order: Any, path: Path) -> list[SweepCell]:
 
 
 def cell_command(grid: SweepGrid, cell: SweepCell) -> list[str]:
-    """``megatron-sat train`` of one cell (continuing from its run checkpoint if it has one)."""
+    """``megatron-sat train`` of one cell (resumed if an earlier attempt left anything)."""
     cmd = [sys.executable, "-m", "megatron_sat.cli", "train"]
     if grid.base_config is not None:
         cmd += ["--config", str(grid.base_config)]
     cmd += list(cell.overrides)
-    if any((cell.run_dir / "checkpoints").glob("step_*")):
+    if previous_run(cell.run_dir):  # else train refuses the folder (training.run_folder)
         cmd.append("train.resume=true")
     return cmd
 

@@ -69,6 +69,7 @@ from megatron_sat.training.engines import rollout_fleet
 from megatron_sat.training.evaluate import evaluate
 from megatron_sat.training.followers import Followers
 from megatron_sat.training.mini_batches import RolloutBatchSteps, train_rollout_batch
+from megatron_sat.training.run_folder import check_new_run
 from megatron_sat.training.run_logger import RunLogger
 from megatron_sat.training.sampling_mask_tp import replayed_sampling_mask
 from megatron_sat.training.saving import due, save_if_due, save_mid_batch
@@ -187,11 +188,14 @@ def check_prompt_lengths(
 
 
 def validate_run(cfg: RunConfig, world: int | None = None) -> None:
-    """Everything ``train`` can refuse before building the trainer: the HF checkpoint, the
-    launch plan's layout and model checks at the trainer's world size (``WORLD_SIZE``,
-    default 1), and every train and eval row against the context length.
+    """Everything ``train`` can refuse before building the trainer: a run folder that holds
+    another run, the HF checkpoint, the launch plan's layout and model checks at the
+    trainer's world size (``WORLD_SIZE``, default 1), and every train and eval row against
+    the context length.
 
     Raises:
+        FileExistsError: ``run_dir`` holds another run and ``train.resume`` is off
+            (``training.run_folder``).
         FileNotFoundError: ``init_checkpoint`` is not an HF checkpoint directory, or a
             dataset is missing.
         ValueError: naming the config field (layout, rollout.engine=vllm without
@@ -200,6 +204,7 @@ def validate_run(cfg: RunConfig, world: int | None = None) -> None:
     """
     from megatron_sat.config.layout import check_train_layout
 
+    check_new_run(cfg.run_dir, cfg.train.resume)
     if cfg.logging.mlflow_experiment is not None:
         mlflow_tracking_uri(cfg.logging)  # a store is named, not found at the first log
     if cfg.rollout.engine == "vllm" and not cfg.rollout.server_urls:
