@@ -202,7 +202,14 @@ class BucketProducer:
         self._thread.join()
 
     def __iter__(self) -> Iterator[Bucket]:
-        """The buckets in order; re-raises what the thread raised (e.g. the export's error)."""
+        """The buckets in order; re-raises what the thread raised (e.g. the export's error).
+
+        Raises:
+            RuntimeError: when the producer was not entered (no thread would ever hand out a
+                bucket).
+        """
+        if self._thread.ident is None:
+            raise RuntimeError("enter the BucketProducer (with producer: ...) before iterating")
         while True:
             item = self._ready.get()
             if item is self._DONE:

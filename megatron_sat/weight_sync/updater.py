@@ -29,6 +29,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -119,6 +120,7 @@ class BaseWeightUpdater(abc.ABC):
         self._group: WeightUpdateGroup | Any | None = None
         self._loaded = False
         self._open: list[UpdateChannel] = []  # servers inside a session
+        self._updating = threading.Lock()  # held by update()
 
     def __enter__(self):
         self.connect()
@@ -194,6 +196,8 @@ class BaseWeightUpdater(abc.ABC):
 
         Raises:
             ValueError: on an empty update, an empty version or a repeated name.
+            RuntimeError: when not connected, or while another ``update`` of this updater
+                runs (on another thread).
             WeightSyncError: when a server rejects a bucket or a call fails (``_fail`` says in
                 which state the servers are).
         """
@@ -201,6 +205,18 @@ class BaseWeightUpdater(abc.ABC):
             raise ValueError("weight_version must be a non-empty string")
         if self._group is None:
             raise RuntimeError("call connect() before update()")
+        # One push at a time: a second would share the sessions and the staging buffers.
+        if not self._updating.acquire(blocking=False):
+            raise RuntimeError(f"{type(self).__name__}: another update() is in progress")
+        try:
+            return self._update(named_tensors, weight_version)
+        finally:
+            self._updating.release()
+
+    def _update(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: str
+    ) -> UpdateStats:
+        """``update``'s three steps, the tensors taken through ``prepare`` from the start."""
         start = time.perf_counter()
         with self.prepare(named_tensors) as source:
             self.begin_update()
@@ -226,23 +242,30 @@ class BaseWeightUpdater(abc.ABC):
 
         Raises:
             RuntimeError: when not connected.
-            WeightSyncError: a call failed; as ``end_update`` with that error.
+            WeightSyncError: a call failed; as ``end_update`` with that error (so is any
+                other exception, e.g. an interrupt, re-raised as it is).
         """
         if self._group is None:
             raise RuntimeError("call connect() before update()")
         self._loaded = False
         self._open = []
+        pauses: list[Future] = []
+        begins: list[Future] = []
         try:
-            self._on_servers(
-                self.calls["pause"], self.clients, lambda c: c.pause_generation(self.pause_mode)
-            )
-            futures = [self._pool.submit(self._begin, c) for c in self.clients]
-            for client, future in zip(self.clients, futures, strict=True):
-                if future.exception() is None:
-                    self._open.append(client)
-            self._raise_failures(self.calls["begin"], futures)
-        except WeightSyncError as e:
+            pause = self.pause_mode
+            pauses = [self._pool.submit(c.pause_generation, pause) for c in self.clients]
+            self._raise_failures(self.calls["pause"], pauses)
+            begins = [self._pool.submit(self._begin, c) for c in self.clients]
+            self._raise_failures(self.calls["begin"], begins)
+        except BaseException as e:
+            # Also an interrupt while the calls travel: let them land first, so that every
+            # session that opened is ended (SGLang refuses a second begin while one is open,
+            # so it would refuse every later push) and the resume comes after the pauses.
+            futures_wait(pauses + begins)
+            self._open = [c for c, f in zip(self.clients, begins) if f.exception() is None]
             self.end_update(e)
+            raise  # end_update raised already; this is for type checkers
+        self._open = list(self.clients)
 
     @abc.abstractmethod
     def send_buckets(
