@@ -1,5 +1,6 @@
-"""A new run never lands on an old one: ``train`` refuses a run folder that holds another run
-unless ``train.resume`` (``training.run_folder``), and a sweep resumes a cell that logged."""
+"""What ``train`` refuses before anything starts: a run folder that holds another run unless
+``train.resume`` (``training.run_folder``; a sweep resumes a cell that logged), and a missing
+reward plug-in file, each in one line."""
 
 from __future__ import annotations
 
@@ -69,3 +70,25 @@ def test_a_sweep_resumes_a_cell_that_logged_even_without_a_checkpoint(tmp_path):
     killed.run_dir.mkdir(parents=True)
     (killed.run_dir / "metrics.jsonl").write_text('{"step": 0}\n')
     assert cell_command(grid, killed)[-1] == "train.resume=true"
+
+
+def test_train_names_a_missing_reward_plugin_file_in_one_line(tmp_path, capsys):
+    """Found by a fresh user's run: a 35-line traceback from the reward workers before."""
+    run = tmp_path / "run"
+    code = main(
+        [
+            "train",
+            "--config",
+            str(CONFIG),
+            f"run_dir={run}",
+            "rollout.reward=python",
+            "rollout.reward_function=nonexistent.py:f",
+        ]
+    )
+    err = capsys.readouterr().err
+    assert code == 1 and "Traceback" not in err
+    missing = Path("nonexistent.py").resolve()
+    assert err.strip() == (
+        f"megatron-sat train: rollout.reward_function='nonexistent.py:f': no file {missing}"
+    )
+    assert not run.exists()

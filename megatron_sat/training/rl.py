@@ -61,7 +61,11 @@ from megatron_sat.rollout.pool import NoLiveServer, RolloutPool
 from megatron_sat.rollout.protocol import refusal_metrics
 from megatron_sat.rollout.remote_reward import RemoteReward
 from megatron_sat.rollout.reward_choice import open_reward
-from megatron_sat.rollout.reward_plugins import check_finite_rewards, reward_metrics
+from megatron_sat.rollout.reward_plugins import (
+    check_finite_rewards,
+    resolve_spec,
+    reward_metrics,
+)
 from megatron_sat.rollout.rewards import RewardWorkers
 from megatron_sat.rollout.seeds import request_seed
 from megatron_sat.rollout.types import Sample, staleness
@@ -197,7 +201,7 @@ def validate_run(cfg: RunConfig, world: int | None = None) -> None:
         FileExistsError: ``run_dir`` holds another run and ``train.resume`` is off
             (``training.run_folder``).
         FileNotFoundError: ``init_checkpoint`` is not an HF checkpoint directory, or a
-            dataset is missing.
+            dataset or the reward plug-in's file is missing.
         ValueError: naming the config field (layout, rollout.engine=vllm without
             rollout.server_urls, logging.mlflow_experiment without a tracking store) or the
             dataset row (length).
@@ -205,6 +209,12 @@ def validate_run(cfg: RunConfig, world: int | None = None) -> None:
     from megatron_sat.config.layout import check_train_layout
 
     check_new_run(cfg.run_dir, cfg.train.resume)
+    if cfg.rollout.reward == "python":  # a missing plug-in file, named before anything starts
+        target = resolve_spec(cfg.rollout.reward_function).rpartition(":")[0]
+        if target.endswith(".py") and not Path(target).is_file():
+            raise FileNotFoundError(
+                f"rollout.reward_function={cfg.rollout.reward_function!r}: no file {target}"
+            )
     if cfg.logging.mlflow_experiment is not None:
         mlflow_tracking_uri(cfg.logging)  # a store is named, not found at the first log
     if cfg.rollout.engine == "vllm" and not cfg.rollout.server_urls:
