@@ -72,6 +72,19 @@ def resolve_spec(spec: str) -> str:
     return spec
 
 
+def check_plugin_file(spec: str) -> None:
+    """Without importing anything: the file of a ``path.py:function`` spec exists (a module
+    spec is not checked here; ``load_reward_function`` imports it).
+
+    Raises:
+        FileNotFoundError: naming the spec and the resolved path.
+        RewardPluginError: for a spec without ``:function``.
+    """
+    target = resolve_spec(spec).rpartition(":")[0]
+    if target.endswith(".py") and not Path(target).is_file():
+        raise FileNotFoundError(f"rollout.reward_function={spec!r}: no file {target}")
+
+
 def load_reward_function(spec: str) -> Callable[[str, str, str, dict], object]:
     """Imports and checks the plug-in ``spec`` (``module:function`` or ``path.py:function``).
 

@@ -63,7 +63,7 @@ from megatron_sat.rollout.remote_reward import RemoteReward
 from megatron_sat.rollout.reward_choice import open_reward
 from megatron_sat.rollout.reward_plugins import (
     check_finite_rewards,
-    resolve_spec,
+    check_plugin_file,
     reward_metrics,
 )
 from megatron_sat.rollout.rewards import RewardWorkers
@@ -210,11 +210,7 @@ def validate_run(cfg: RunConfig, world: int | None = None) -> None:
 
     check_new_run(cfg.run_dir, cfg.train.resume)
     if cfg.rollout.reward == "python":  # a missing plug-in file, named before anything starts
-        target = resolve_spec(cfg.rollout.reward_function).rpartition(":")[0]
-        if target.endswith(".py") and not Path(target).is_file():
-            raise FileNotFoundError(
-                f"rollout.reward_function={cfg.rollout.reward_function!r}: no file {target}"
-            )
+        check_plugin_file(cfg.rollout.reward_function)
     if cfg.logging.mlflow_experiment is not None:
         mlflow_tracking_uri(cfg.logging)  # a store is named, not found at the first log
     if cfg.rollout.engine == "vllm" and not cfg.rollout.server_urls:
